@@ -1,0 +1,157 @@
+"""Compiling kernels: symbolic (fake) tensors, the sm_90a cross-compile, resource usage.
+
+A CuTe DSL kernel compiles on any machine: ``cute.compile`` traces the Python,
+lowers it to MLIR and PTX, and runs ptxas for sm_90a. Only running it needs a
+Hopper GPU. This module is what every stage's cross-compile check and the
+``course status`` table use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GPU_ARCH = "sm_90a"
+ARTIFACT_ROOT = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def cute_dtype(torch_dtype):
+    """The CuTe numeric type for a torch dtype (fp16, bf16, fp32)."""
+    import cutlass
+    import torch
+
+    table = {
+        torch.float16: cutlass.Float16,
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float32: cutlass.Float32,
+        torch.int32: cutlass.Int32,
+    }
+    return table[torch_dtype]
+
+
+def symbolic_tensor(dtype, shape: tuple, *, symbols: dict, align: int = 16):
+    """A fake global-memory tensor whose extents and strides are runtime values.
+
+    Each entry of ``shape`` is an int (a compile-time extent, e.g. the head
+    dim) or a name; tensors that use the same name share one runtime symbol
+    (Q and O share B, S_q and H_q). The last mode is contiguous (stride 1);
+    the other strides are multiples of 8 elements, as TMA needs (16 bytes).
+    """
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    extents = tuple(
+        e if isinstance(e, int) else symbols.setdefault(e, cute.sym_int(symbol=e)) for e in shape
+    )
+    stride = tuple(cute.sym_int64(divisibility=8) for _ in shape[:-1]) + (1,)
+    return make_fake_tensor(cute_dtype(dtype), extents, stride, assumed_align=align)
+
+
+def fake_attention_tensors(dtype, head_dim: int):
+    """Fake q, k, v, o ([B, S, H, D]) for compiling an attention kernel once for all shapes."""
+    symbols: dict = {}
+    q = symbolic_tensor(dtype, ("B", "S_q", "H_q", head_dim), symbols=symbols)
+    k = symbolic_tensor(dtype, ("B", "S_k", "H_kv", head_dim), symbols=symbols)
+    v = symbolic_tensor(dtype, ("B", "S_k", "H_kv", head_dim), symbols=symbols)
+    o = symbolic_tensor(dtype, ("B", "S_q", "H_q", head_dim), symbols=symbols)
+    return q, k, v, o
+
+
+def fake_stream():
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream()
+
+
+@dataclass
+class CompileReport:
+    """What one cross-compile produced and what the cubin needs per thread/CTA."""
+
+    name: str
+    seconds: float
+    artifacts: dict[str, str] = field(default_factory=dict)
+    registers: int | None = None
+    spill_bytes: int | None = None
+    shared_bytes: int | None = None
+    ptx_instructions: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        parts = [f"{self.seconds:.1f}s"]
+        if self.registers is not None:
+            parts.append(f"{self.registers} regs")
+        if self.spill_bytes is not None:
+            parts.append(f"{self.spill_bytes} B spill")
+        if self.shared_bytes is not None:
+            parts.append(f"{self.shared_bytes // 1024} KiB smem")
+        return ", ".join(parts)
+
+
+_CUOBJDUMP = re.compile(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores")
+
+
+def resource_usage(cubin: Path, ptx: Path) -> tuple[int, int] | None:
+    """(registers per thread, spill bytes) of the compiled kernel.
+
+    Read from the cubin with ``cuobjdump -res-usage`` where the CUDA toolkit
+    has it, else from ``ptxas -v`` on the PTX (same ptxas, same numbers).
+    """
+    if shutil.which("cuobjdump") and cubin.exists():
+        out = subprocess.run(["cuobjdump", "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        m = _CUOBJDUMP.search(out)
+        if m:
+            return int(m.group(1)), int(m.group(3))
+    if shutil.which("ptxas") and ptx.exists():
+        out = subprocess.run(
+            ["ptxas", f"-arch={GPU_ARCH}", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True
+        ).stderr
+        regs, spill = _PTXAS_REGS.search(out), _PTXAS_SPILL.search(out)
+        if regs and spill:
+            return int(regs.group(1)), int(spill.group(1))
+    return None
+
+
+def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport:
+    """Compile ``jit_fn(*args)`` for sm_90a without a GPU and report on the result.
+
+    The PTX and cubin are written to ``artifacts/<name>/`` when ``keep`` is
+    set, otherwise to a temporary folder that is removed afterwards. Shared
+    memory is dynamic (not in the cubin): it is read from the kernel's
+    ``shared_storage`` struct, which its ``__call__`` defines while tracing.
+    """
+    import cutlass.cute as cute
+
+    tmp = None if keep else tempfile.TemporaryDirectory(prefix="course-cc-")
+    out_dir = ARTIFACT_ROOT / name if keep else Path(tmp.name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        start = time.perf_counter()
+        compiled = cute.compile(jit_fn, *args, options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin")
+        report = CompileReport(name=name, seconds=time.perf_counter() - start)
+        storage = getattr(jit_fn, "shared_storage", None)
+        if storage is not None:
+            report.shared_bytes = storage.size_in_bytes()
+        ptx, cubin = out_dir / f"{name}.ptx", out_dir / f"{name}.cubin"
+        ptx.write_text(compiled.artifacts.PTX)
+        cubin.write_bytes(compiled.artifacts.CUBIN)
+        report.artifacts = {"ptx": str(ptx), "cubin": str(cubin)} if keep else {}
+        report.ptx_instructions = _ptx_features(compiled.artifacts.PTX)
+        usage = resource_usage(cubin, ptx)
+        if usage is not None:
+            report.registers, report.spill_bytes = usage
+        return report
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _ptx_features(ptx: str) -> dict[str, int]:
+    """How often the Hopper instructions a stage relies on appear in its PTX."""
+    return {op: ptx.count(op) for op in ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier")}

@@ -1,0 +1,445 @@
+"""Stage 1: single-tile FMHA on Hopper.
+
+This is the first stage, so it has no predecessor to compare with: it builds
+the whole data path of a Hopper attention kernel once, for the simplest case
+where every key fits in one tile (S_k <= 128). One CTA takes a 128-row tile of
+queries of one (batch, head) and computes
+
+    O = softmax(Q K^T * softmax_scale) V
+
+in a single pass:
+
+1. TMA copies the Q tile and the single K and V tiles from global memory into
+   swizzled shared memory; the copies complete on one mbarrier.
+2. Two warpgroups (64 query rows each) compute S = Q K^T with WGMMA.
+3. Softmax runs in registers: keys beyond S_k are masked, row maxima and sums
+   are reduced across the 4 threads that share a row, and the exponentials are
+   taken with exp2 after folding softmax_scale * log2(e) into one multiply.
+4. P is converted from the fp32 accumulator into the register A operand of the
+   second WGMMA, which computes O = P V.
+5. O is normalized by the row sums, staged in shared memory and written by a
+   TMA store (which also clips the rows of a tail tile that lie beyond S_q).
+
+GQA and MQA come from the head mapping: query head h reads KV head
+h // (H_q / H_kv). Stage 2 lifts the S_k <= 128 limit with a pipelined loop
+over KV tiles.
+
+Run it:
+    python -m course check 1 --impl solutions    # this stage's tests
+    python solutions/stage01_single_tile.py      # one launch against the reference (needs a Hopper GPU)
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from course import launch, validation
+from course.compile import cross_compile, fake_attention_tensors, fake_stream
+
+STAGE = 1
+TILE_M = 128  # query rows per CTA: two warpgroups of 64 rows (one WGMMA M each)
+TILE_N = 128  # keys per KV tile; stage 1 has exactly one
+HEAD_DIMS = (64, 128)
+LOG2_E = math.log2(math.e)
+
+
+# --8<-- [start:layouts]
+def acc_layout_as_rows_cols(acc_layout: cute.Layout) -> cute.Layout:
+    """View a WGMMA accumulator fragment as (rows, cols) of this thread's values.
+
+    A thread's fragment of an (M, N) accumulator has shape ((2, 2, N/8), MMA_M,
+    MMA_N): 2 adjacent columns, 2 rows 8 apart, N/8 column groups. Regrouping
+    the modes gives ((2, MMA_M), (2, N/8, MMA_N)) so that row r of the view is
+    one query row and its columns are that row's keys held by this thread.
+    """
+    col_major = cute.make_layout(acc_layout.shape)
+    rows_cols = cute.make_layout(
+        (
+            (col_major.shape[0][1], col_major.shape[1]),
+            (col_major.shape[0][0], col_major.shape[0][2], col_major.shape[2]),
+        ),
+        stride=(
+            (col_major.stride[0][1], col_major.stride[1]),
+            (col_major.stride[0][0], col_major.stride[0][2], col_major.stride[2]),
+        ),
+    )
+    return cute.composition(acc_layout, rows_cols)
+
+
+def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, acc_layout_as_rows_cols(t.layout))
+
+
+def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+    """Reinterpret the S accumulator fragment as the A-operand fragment of P V.
+
+    For 16-bit inputs the C fragment of S = Q K^T and the A fragment of
+    O = P V hold the same (row, key) pairs in the same thread: only the
+    grouping differs. ((2, 2, N/8), MMA_M, MMA_N) becomes ((2, 2, 2), MMA_M,
+    (N/16, MMA_N)): every 16 keys form one k-block of the second GEMM.
+    """
+    split = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        (
+            (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+            split.shape[1],
+            (split.shape[0][2][1], split.shape[2]),
+        ),
+        stride=(
+            (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+            split.stride[1],
+            (split.stride[0][2][1], split.stride[2]),
+        ),
+    )
+# --8<-- [end:layouts]
+
+
+# --8<-- [start:gemm]
+@cute.jit
+def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor):
+    """acc = A B over all k-blocks, as one group of asynchronous WGMMAs.
+
+    The first k-block runs with ACCUMULATE off, which zero-initializes acc.
+    The caller waits with ``warpgroup.wait_group(0)`` before reading acc.
+    """
+    # [exercise 1] Issue the WGMMAs: fence, one cute.gemm per k-block (mode 2 of tCrA/tCrB) with ACCUMULATE off for the first, then commit the group.
+    warpgroup.fence()
+    for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, k_block != 0)
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
+    warpgroup.commit_group()
+    # [/exercise]
+# --8<-- [end:gemm]
+
+
+# --8<-- [start:mask]
+@cute.jit
+def mask_keys_beyond(acc_S: cute.Tensor, tScS: cute.Tensor, seqlen_k: cutlass.Int32):
+    """Set scores of keys at or beyond S_k to -inf (TMA filled them with zeros).
+
+    ``tScS`` is an identity tensor partitioned like ``acc_S``: each register's
+    (row, col) coordinate inside the tile.
+    """
+    s = rows_cols_view(acc_S)
+    coord = rows_cols_view(tScS)
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            if coord[r, c][1] >= seqlen_k:
+                s[r, c] = -cutlass.Float32.inf
+# --8<-- [end:mask]
+
+
+# --8<-- [start:softmax]
+@cute.jit
+def softmax_rows(acc_S: cute.Tensor, scale_log2: cutlass.Float32) -> cute.Tensor:
+    """Exponentiate S in place (P = exp2(S * scale_log2 - rowmax * scale_log2)); return row sums.
+
+    The four threads of a quad hold the columns of the same rows, so the row
+    max and the row sum are reduced over the thread's own values first and
+    then across the quad.
+    """
+    s = rows_cols_view(acc_S)
+    row_sum = cute.make_rmem_tensor(cute.size(s, mode=[0]), cutlass.Float32)
+    # [exercise 1] For each row r of s: row max (thread, then quad), P = exp2(s * scale_log2 - max * scale_log2) in place, row_sum[r] = quad-reduced sum of P.
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row_max = s[r, 0]
+        for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
+            row_max = cute.arch.fmax(row_max, s[r, c])
+        row_max = cute.arch.warp_reduction_max(row_max, threads_in_group=4)
+        max_scaled = row_max * scale_log2
+        thread_sum = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - max_scaled, fastmath=True)
+            thread_sum += s[r, c]
+        row_sum[r] = cute.arch.warp_reduction_sum(thread_sum, threads_in_group=4)
+    # [/exercise]
+    return row_sum
+# --8<-- [end:softmax]
+
+
+# --8<-- [start:convert]
+@cute.jit
+def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
+    """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
+    # [exercise 1] Convert acc_S to dtype in a new register tensor, then view it with acc_layout_as_operand_a.
+    rP = cute.make_rmem_tensor_like(acc_S, dtype)
+    rP.store(acc_S.load().to(dtype))
+    return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
+    # [/exercise]
+# --8<-- [end:convert]
+
+
+# --8<-- [start:normalize]
+@cute.jit
+def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor):
+    """O /= row sum (every row has at least one visible key in stage 1)."""
+    o = rows_cols_view(acc_O)
+    for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+        inv_sum = cute.arch.rcp_approx(row_sum[r])
+        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+            o[r, c] *= inv_sum
+# --8<-- [end:normalize]
+
+
+def bshd_as_rows_dim(t: cute.Tensor) -> cute.Tensor:
+    """[B, S, H, D] -> (S, D, H, B): rows and the contiguous K mode first, as TMA and WGMMA index them."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def bshd_as_dim_rows(t: cute.Tensor) -> cute.Tensor:
+    """[B, S, H, D] -> (D, S, H, B): V seen as the (N, K) = (D, S_k) B operand of P V."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[3, 1, 2, 0]))
+
+
+class SingleTileAttention:
+    """One CTA = one 128-row Q tile x the single KV tile (S_k <= 128)."""
+
+    num_threads = 256  # two MMA warpgroups
+
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        stream,
+    ):
+        dtype, d = self.dtype, self.head_dim
+        mQ, mK, mO = bshd_as_rows_dim(mQ), bshd_as_rows_dim(mK), bshd_as_rows_dim(mO)
+        mV = bshd_as_dim_rows(mV)
+
+        # --8<-- [start:mma]
+        # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (2, 1, 1), (64, TILE_N),
+        )
+        # O = P V: P from registers (K-major), V MN-major (head_dim contiguous).
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            cutlass.Float32, (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
+        )
+        # --8<-- [end:mma]
+
+        # --8<-- [start:smem]
+        one_stage = (None, None, 0)
+        sQ_layout = cute.slice_(
+            sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
+        )
+        sK_layout = cute.slice_(
+            sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
+        )
+        sV_layout = cute.slice_(
+            sm90_utils.make_smem_layout_b(utils.LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, 1), one_stage
+        )
+
+        @cute.struct
+        class SharedStorage:
+            load_bar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        # --8<-- [end:smem]
+
+        # --8<-- [start:tma]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TILE_M, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (TILE_N, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (d, TILE_N))
+        # O has Q's tile shape, so it is staged in Q's shared memory with Q's layout.
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (TILE_M, d))
+        self.load_bytes = (
+            cute.size_in_bytes(dtype, sQ_layout)
+            + cute.size_in_bytes(dtype, sK_layout)
+            + cute.size_in_bytes(dtype, sV_layout)
+        )
+        # --8<-- [end:tma]
+
+        # --8<-- [start:grid]
+        seqlen_q, num_heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
+        grid = ((seqlen_q + TILE_M - 1) // TILE_M, num_heads_q, batch)
+        # --8<-- [end:grid]
+        self.kernel(
+            qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
+            scale_log2, sQ_layout, sK_layout, sV_layout,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+    ):
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        seqlen_k = mK.shape[0]
+
+        # --8<-- [start:head_map]
+        # GQA/MQA: a group of H_q / H_kv query heads shares one KV head.
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        # --8<-- [end:head_map]
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        load_bar = storage.load_bar.data_ptr()
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # --8<-- [start:load]
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            cpasync.prefetch_descriptor(tma_o)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(load_bar, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (0, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (d, TILE_N), (0, 0))
+        one_cta = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        # One thread announces the bytes to expect; the three copies complete on the
+        # same mbarrier (out-of-bounds rows arrive as zeros and still count).
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(load_bar, self.load_bytes)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=load_bar)
+            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=load_bar)
+            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=load_bar)
+        cute.arch.mbarrier_wait(load_bar, 0)
+        # --8<-- [end:load]
+
+        # --8<-- [start:qk]
+        thr_qk = qk_mma.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((TILE_M, TILE_N)))
+        warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK)
+        warpgroup.wait_group(0)
+        # --8<-- [end:qk]
+
+        # --8<-- [start:attend]
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        mask_keys_beyond(acc_S, tScS, seqlen_k)
+        row_sum = softmax_rows(acc_S, scale_log2)
+        tOrP = scores_to_operand_a(acc_S, self.dtype)
+
+        thr_pv = pv_mma.get_slice(tidx)
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE_M, d)))
+        warpgroup_gemm(pv_mma, acc_O, tOrP, tOrV)
+        warpgroup.wait_group(0)
+        normalize_rows(acc_O, row_sum)
+        # --8<-- [end:attend]
+
+        # --8<-- [start:epilogue]
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.arch.sync_threads()  # every warpgroup is done reading Q before O overwrites it
+        sO = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        cute.autovec_copy(rO, thr_pv.partition_C(sO))
+        # Make the generic-proxy stores visible to the TMA (async proxy) before it reads them.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+
+        gO = cute.local_tile(mO[None, None, head, batch], (TILE_M, d), (m_block, 0))
+        tOsO, tOgO = cpasync.tma_partition(tma_o, 0, one_cta, cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+        if warp_idx == 0:
+            with cute.arch.elect_one():  # one thread issues the store and waits for its group
+                cute.copy(tma_o, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # --8<-- [end:epilogue]
+
+
+# --8<-- [start:configs]
+KERNEL_CONFIGS = [(dtype, d) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS]
+
+
+def cross_compile_config(dtype: str, head_dim: int, keep: bool = False):
+    """Compile the kernel for sm_90a with symbolic B, S_q, S_k, H_q, H_kv (no GPU needed)."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    q, k, v, o = fake_attention_tensors(torch_dtype, head_dim)
+    kernel = SingleTileAttention(launch.cute_dtype(torch_dtype), head_dim)
+    return cross_compile(
+        kernel, q, k, v, o, cutlass.Float32(1.0), fake_stream(),
+        name=f"stage01_{dtype}_d{head_dim}", keep=keep,
+    )
+# --8<-- [end:configs]
+
+
+# --8<-- [start:api]
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+              sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
+    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors (see COURSE.md for the contract).
+
+    ``out`` (optional) receives O; tests pass a NaN-poisoned buffer to prove
+    every element is written.
+    """
+    shape = validation.check_attention_inputs(
+        q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, out=out,
+        head_dims=HEAD_DIMS,
+    )
+    validation.reject_later_features(
+        STAGE, causal=causal, window_size=window_size, sink_logits=sink_logits,
+        num_sink_tokens=num_sink_tokens, return_lse=return_lse,
+    )
+    if shape.seqlen_k > TILE_N:
+        raise NotImplementedError(
+            f"stage 1 handles S_k <= {TILE_N} keys (one KV tile); got S_k = {shape.seqlen_k}. "
+            "Stage 2 (multi-tile TMA loading) adds the loop over KV tiles."
+        )
+    validation.check_on_gpu(q=q, k=k, v=v, out=out)
+    if out is None:
+        out = q.new_empty(q.shape)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
+    kernel = launch.compiled(
+        ("stage01", q.dtype, shape.head_dim),
+        lambda: SingleTileAttention(launch.cute_dtype(q.dtype), shape.head_dim),
+        q, k, v, out, scale * LOG2_E,
+    )
+    kernel(q, k, v, out, scale * LOG2_E)
+    return out
+# --8<-- [end:api]
+
+
+if __name__ == "__main__":
+    launch.demo(attention, seqlen_q=300, seqlen_k=100)

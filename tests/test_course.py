@@ -1,0 +1,106 @@
+"""Checks of the shared course code: the reference against brute force, the skeletons."""
+
+import math
+
+import pytest
+import torch
+
+from course import reference, skeleton, stages, validation
+
+
+def brute_force(q, k, v, *, scale, visible, sink=None):
+    """Row by row with Python loops over keys: the definitions, nothing clever."""
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    o = torch.zeros(b, s_q, h_q, d, dtype=torch.float64)
+    lse = torch.full((b, h_q, s_q), -math.inf, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(h_q):
+            hk = h // (h_q // h_kv)
+            for i in range(s_q):
+                logits = [float(q[bi, i, h].double() @ k[bi, j, hk].double()) * scale
+                          for j in range(s_k) if visible(i, j)]
+                keys = [j for j in range(s_k) if visible(i, j)]
+                terms = logits + ([float(sink[h])] if sink is not None else [])
+                if not terms:
+                    continue
+                m = max(terms)
+                denom = sum(math.exp(t - m) for t in terms)
+                lse[bi, h, i] = m + math.log(denom)
+                for s, j in zip(logits, keys):
+                    o[bi, i, h] += math.exp(s - m) / denom * v[bi, j, hk].double()
+    return o, lse
+
+
+CASES = [
+    dict(), dict(causal=True), dict(window_size=(2, 1)), dict(window_size=(0, 0)),
+    dict(window_size=(1, -1), num_sink_tokens=2), dict(causal=True, sink_logits=True),
+    dict(window_size=(0, 0), sink_logits=True),
+]
+
+
+@pytest.mark.parametrize("s_q, s_k", [(5, 7), (7, 5), (6, 6)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "full")
+def test_reference_matches_brute_force(s_q, s_k, case):
+    gen = torch.Generator().manual_seed(s_q * 10 + s_k)
+    q = torch.randn(2, s_q, 4, 8, generator=gen)
+    k = torch.randn(2, s_k, 2, 8, generator=gen)
+    v = torch.randn(2, s_k, 2, 8, generator=gen)
+    features = dict(case)
+    sink = torch.randn(4, generator=gen) * 3 if features.pop("sink_logits", False) else None
+    left, right = features.get("window_size", (-1, -1))
+    if features.get("causal"):
+        right = 0
+    n_sink, offset = features.get("num_sink_tokens", 0), s_k - s_q
+
+    def visible(i, j):
+        ok = right < 0 or j <= i + offset + right
+        return ok and (left < 0 or j >= i + offset - left or j < n_sink)
+
+    o, lse = reference.attention(q, k, v, sink_logits=sink, return_lse=True, **features)
+    o_bf, lse_bf = brute_force(q, k, v, scale=8 ** -0.5, visible=visible, sink=sink)
+    torch.testing.assert_close(o, o_bf, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse.double(), lse_bf, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_empty_rows_are_zero_with_minus_inf_lse():
+    q, k, v = (torch.randn(1, 4, 1, 8) for _ in range(3))
+    o, lse = reference.attention(q, k, v, window_size=(0, 0), causal=True, return_lse=True)
+    o2, lse2 = reference.attention(q[:, :3], k[:, :1], v[:, :1], causal=True, return_lse=True)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()  # each row sees its diagonal key
+    assert (o2[:, :2] == 0).all() and torch.isneginf(lse2[:, :, :2]).all()  # S_q > S_k: first rows see nothing
+    sink = torch.tensor([1.5])
+    o3, lse3 = reference.attention(q[:, :3], k[:, :1], v[:, :1], causal=True, sink_logits=sink, return_lse=True)
+    assert (o3[:, :2] == 0).all() and torch.allclose(lse3[:, :, :2], torch.tensor(1.5))
+
+
+def test_validation_names_what_is_accepted():
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"expected \[2\] \(one per query head\) float32"):
+        validation.check_attention_inputs(q, q, q, sink_logits=torch.zeros(3))
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        validation.check_attention_inputs(q, q, q, window_size=(-2, 0))
+
+
+def test_skeletons_are_generated_from_solutions():
+    stale = skeleton.out_of_date()
+    assert not stale, (f"stages/ is out of date for stage(s) {[s.number for s in stale]}: "
+                       "run `python -m course skeletons` after editing solutions/")
+
+
+@pytest.mark.parametrize("stage", [s for s in stages.STAGES if s.ready], ids=lambda s: f"stage{s.number}")
+def test_skeleton_fails_with_its_todo(stage):
+    """The untouched skeleton imports, and compiling it stops at the first TODO with its hint."""
+    module = stage.load("stages")
+    with pytest.raises(NotImplementedError, match=rf"TODO\(stage {stage.number}\) in \w+\(\)"):
+        module.cross_compile_config(*module.KERNEL_CONFIGS[0])
+
+
+def test_skeleton_differs_only_in_todo_regions():
+    for stage in (s for s in stages.STAGES if s.ready):
+        solution = stage.path("solutions").read_text().splitlines()
+        learner = stage.path("stages").read_text().splitlines()
+        only_solution = set(solution) - set(learner)
+        only_learner = set(learner) - set(solution)
+        assert all("TODO(stage" in line or "NotImplementedError('TODO(stage" in line for line in only_learner)
+        assert any("[exercise" in line for line in only_solution)
