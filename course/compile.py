@@ -119,7 +119,7 @@ def resource_usage(cubin: Path, ptx: Path) -> tuple[int, int] | None:
 
 
 def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport:
-    """Compile ``jit_fn(*args)`` for sm_90a without a GPU and report on the result.
+    """Compile ``jit_fn(*args, stream)`` for sm_90a without a GPU and report on the result.
 
     The PTX and cubin are written to ``artifacts/<name>/`` when ``keep`` is
     set, otherwise to a temporary folder that is removed afterwards. Shared
@@ -133,7 +133,7 @@ def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         start = time.perf_counter()
-        compiled = cute.compile(jit_fn, *args, options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin")
+        compiled = cute.compile(jit_fn, *args, fake_stream(), options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin")
         report = CompileReport(name=name, seconds=time.perf_counter() - start)
         storage = getattr(jit_fn, "shared_storage", None)
         if storage is not None:

@@ -1,62 +1,31 @@
-"""Launching compiled kernels from PyTorch: tensor conversion, the compile cache, a demo."""
+"""Launching compiled kernels from PyTorch: the compile cache and a demo run."""
 
 from __future__ import annotations
 
 from course.compile import cute_dtype
 
-__all__ = ["cute_dtype", "to_cute", "compiled", "demo"]
+__all__ = ["cute_dtype", "compiled", "demo"]
 
 _CACHE: dict = {}
 
 
-def to_cute(t):
-    """A torch CUDA tensor as a CuTe tensor whose shape and strides are runtime values.
+def compiled(key, make_kernel_and_args):
+    """The kernel for ``key``, compiled for this GPU on first use.
 
-    One compiled kernel then serves every shape; the last dim stays the
-    compile-time contiguous one (validation guarantees it).
+    ``make_kernel_and_args()`` returns the kernel object and the symbolic
+    (fake) arguments it is compiled with: the same ones as the CPU
+    cross-compile, so one compile serves every batch, length and head count.
+    The result is compiled with TVM-FFI: it is called with torch tensors and
+    Python floats directly and launches on PyTorch's current stream, which
+    keeps the per-call host overhead to a few microseconds.
     """
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
-def _as_kernel_arg(a):
-    import cutlass
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return to_cute(a)
-    if isinstance(a, float):
-        return cutlass.Float32(a)
-    if isinstance(a, bool) or isinstance(a, int):
-        return cutlass.Int32(int(a))
-    return a
-
-
-def _current_stream():
-    import cuda.bindings.driver as cuda
-    import torch
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
-class CompiledKernel:
-    """A kernel compiled for this GPU; call it with torch tensors and Python floats."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args):
-        self.fn(*(_as_kernel_arg(a) for a in args), _current_stream())
-
-
-def compiled(key, make_kernel, *example_args) -> CompiledKernel:
-    """The kernel for ``key``, compiled on first use from ``make_kernel()`` and example arguments."""
     import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
 
     if key not in _CACHE:
-        converted = [_as_kernel_arg(a) for a in example_args]
-        _CACHE[key] = CompiledKernel(cute.compile(make_kernel(), *converted, _current_stream()))
+        kernel, args = make_kernel_and_args()
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        _CACHE[key] = cute.compile(kernel, *args, stream, options="--enable-tvm-ffi")
     return _CACHE[key]
 
 

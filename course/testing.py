@@ -28,8 +28,8 @@ def gpu_skip_reason() -> str | None:
         return f"GPU is {torch.cuda.get_device_name()} (sm_{major}{minor}); these kernels need Hopper (sm_90)"
     try:
         import cutlass  # noqa: F401
-    except ImportError:
-        return "the CuTe DSL (nvidia-cutlass-dsl) is not installed"
+    except ImportError as error:
+        return f"the CuTe DSL (nvidia-cutlass-dsl) does not import: {error}"
     return None
 
 

@@ -35,12 +35,14 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from course import launch, validation
-from course.compile import cross_compile, fake_attention_tensors, fake_stream
+from course.bench import PrefillShape
+from course.compile import cross_compile, fake_attention_tensors
 
 STAGE = 1
 TILE_M = 128  # query rows per CTA: two warpgroups of 64 rows (one WGMMA M each)
@@ -223,12 +225,12 @@ class SingleTileAttention:
         # --8<-- [start:mma]
         # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
             cutlass.Float32, (2, 1, 1), (64, TILE_N),
         )
         # O = P V: P from registers (K-major), V MN-major (head_dim contiguous).
         pv_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
             cutlass.Float32, (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
         )
         # --8<-- [end:mma]
@@ -236,13 +238,13 @@ class SingleTileAttention:
         # --8<-- [start:smem]
         one_stage = (None, None, 0)
         sQ_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
         )
         sK_layout = cute.slice_(
-            sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
+            sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
         )
         sV_layout = cute.slice_(
-            sm90_utils.make_smem_layout_b(utils.LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, 1), one_stage
+            sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, 1), one_stage
         )
 
         @cute.struct
@@ -307,7 +309,7 @@ class SingleTileAttention:
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         # --8<-- [end:head_map]
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         load_bar = storage.load_bar.data_ptr()
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -388,21 +390,26 @@ class SingleTileAttention:
 
 
 # --8<-- [start:configs]
+# One compiled kernel per (dtype, head_dim): batch, lengths and heads are runtime values.
 KERNEL_CONFIGS = [(dtype, d) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS]
 
 
+def kernel_and_args(torch_dtype, head_dim: int):
+    """The kernel and the symbolic arguments it is compiled with (for every shape at once)."""
+    q, k, v, o = fake_attention_tensors(torch_dtype, head_dim)
+    return SingleTileAttention(launch.cute_dtype(torch_dtype), head_dim), (q, k, v, o, cutlass.Float32(1.0))
+
+
 def cross_compile_config(dtype: str, head_dim: int, keep: bool = False):
-    """Compile the kernel for sm_90a with symbolic B, S_q, S_k, H_q, H_kv (no GPU needed)."""
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
     import torch
 
-    torch_dtype = getattr(torch, dtype)
-    q, k, v, o = fake_attention_tensors(torch_dtype, head_dim)
-    kernel = SingleTileAttention(launch.cute_dtype(torch_dtype), head_dim)
-    return cross_compile(
-        kernel, q, k, v, o, cutlass.Float32(1.0), fake_stream(),
-        name=f"stage01_{dtype}_d{head_dim}", keep=keep,
-    )
+    kernel, args = kernel_and_args(getattr(torch, dtype), head_dim)
+    return cross_compile(kernel, *args, name=f"stage01_{dtype}_d{head_dim}", keep=keep)
 # --8<-- [end:configs]
+
+# S_k = 128 is all one tile can hold: the CTA streams Q in and O out around one K/V tile.
+BENCH_SHAPES = [PrefillShape(16, 16, 4096, 128, 128), PrefillShape(16, 16, 4096, 128, 64)]
 
 
 # --8<-- [start:api]
@@ -431,11 +438,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     if out is None:
         out = q.new_empty(q.shape)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    kernel = launch.compiled(
-        ("stage01", q.dtype, shape.head_dim),
-        lambda: SingleTileAttention(launch.cute_dtype(q.dtype), shape.head_dim),
-        q, k, v, out, scale * LOG2_E,
-    )
+    kernel = launch.compiled(("stage01", q.dtype, shape.head_dim), lambda: kernel_and_args(q.dtype, shape.head_dim))
     kernel(q, k, v, out, scale * LOG2_E)
     return out
 # --8<-- [end:api]

@@ -1,0 +1,50 @@
+"""The course command line: ``python -m course status | check N | bench | skeletons``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from course import stages
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="course", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("status", help="the table of all stages: TODOs, cross-compile, GPU numerics and speed")
+    check = sub.add_parser("check", help="run one stage's tests against your code (stages/) or the solutions")
+    check.add_argument("stage", type=int)
+    check.add_argument("--impl", choices=stages.IMPLS, default="stages")
+    bench = sub.add_parser("bench", help="time the kernels next to PyTorch SDPA (needs a Hopper GPU)")
+    bench.add_argument("--stage", type=int, action="append", help="stage number (repeatable; default: all ready)")
+    bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
+    bench.add_argument("--out", default=None, help="folder for bench.json/.md/.png (default: docs/results)")
+    bench.add_argument("--repeats", type=int, default=50)
+    sub.add_parser("skeletons", help="regenerate stages/ from the solutions' exercise regions")
+    args = parser.parse_args(argv)
+
+    if args.command == "check":
+        from course.cli import check as run_check
+
+        return run_check(args.stage, args.impl)
+    if args.command == "bench":
+        from course import bench as bench_mod
+
+        kwargs = {"impl": args.impl, "repeats": args.repeats}
+        if args.out:
+            kwargs["out_dir"] = args.out
+        bench_mod.run(args.stage, **kwargs)
+        return 0
+    if args.command == "skeletons":
+        from course import skeleton
+
+        for path in skeleton.write_all():
+            print(f"wrote {path}")
+        return 0
+    from course.cli import status
+
+    return status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
