@@ -126,13 +126,14 @@ def mask_keys_beyond(acc_S: cute.Tensor, tScS: cute.Tensor, seqlen_k: cutlass.In
     """Set scores of keys at or beyond S_k to -inf (TMA filled them with zeros).
 
     ``tScS`` is an identity tensor partitioned like ``acc_S``: each register's
-    (row, col) coordinate inside the tile.
+    (row, col) coordinate inside the tile. A thread's rows all hold the same
+    columns, so each column is compared once and masked in every row.
     """
     s = rows_cols_view(acc_S)
     coord = rows_cols_view(tScS)
-    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            if coord[r, c][1] >= seqlen_k:
+    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+        if coord[0, c][1] >= seqlen_k:
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = -cutlass.Float32.inf
 # --8<-- [end:mask]
 
@@ -356,8 +357,9 @@ class SingleTileAttention:
         # --8<-- [end:qk]
 
         # --8<-- [start:attend]
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-        mask_keys_beyond(acc_S, tScS, seqlen_k)
+        if seqlen_k < TILE_N:  # a full tile needs no mask
+            tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+            mask_keys_beyond(acc_S, tScS, seqlen_k)
         row_sum = softmax_rows(acc_S, scale_log2)
         tOrP = scores_to_operand_a(acc_S, self.dtype)
 
