@@ -121,35 +121,35 @@ def resource_usage(cubin: Path, ptx: Path) -> tuple[int, int] | None:
 def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport:
     """Compile ``jit_fn(*args, stream)`` for sm_90a without a GPU and report on the result.
 
-    The PTX and cubin are written to ``artifacts/<name>/`` when ``keep`` is
-    set, otherwise to a temporary folder that is removed afterwards. Shared
-    memory is dynamic (not in the cubin): it is read from the kernel's
+    With ``keep`` the PTX and cubin are kept in ``artifacts/<name>.ptx|.cubin``.
+    Shared memory is dynamic (not in the cubin): it is read from the kernel's
     ``shared_storage`` struct, which its ``__call__`` defines while tracing.
     """
     import cutlass.cute as cute
 
-    tmp = None if keep else tempfile.TemporaryDirectory(prefix="course-cc-")
-    out_dir = ARTIFACT_ROOT / name if keep else Path(tmp.name)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
+    with tempfile.TemporaryDirectory(prefix="course-cc-") as tmp:
         start = time.perf_counter()
-        compiled = cute.compile(jit_fn, *args, fake_stream(), options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin")
+        compiled = cute.compile(
+            jit_fn, *args, fake_stream(),
+            options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin --dump-dir {tmp}",
+        )
         report = CompileReport(name=name, seconds=time.perf_counter() - start)
         storage = getattr(jit_fn, "shared_storage", None)
         if storage is not None:
             report.shared_bytes = storage.size_in_bytes()
-        ptx, cubin = out_dir / f"{name}.ptx", out_dir / f"{name}.cubin"
+        ptx, cubin = Path(tmp) / f"{name}.ptx", Path(tmp) / f"{name}.cubin"
         ptx.write_text(compiled.artifacts.PTX)
         cubin.write_bytes(compiled.artifacts.CUBIN)
-        report.artifacts = {"ptx": str(ptx), "cubin": str(cubin)} if keep else {}
         report.ptx_instructions = _ptx_features(compiled.artifacts.PTX)
         usage = resource_usage(cubin, ptx)
         if usage is not None:
             report.registers, report.spill_bytes = usage
+        if keep:
+            ARTIFACT_ROOT.mkdir(parents=True, exist_ok=True)
+            for path in (ptx, cubin):
+                shutil.copy(path, ARTIFACT_ROOT / path.name)
+                report.artifacts[path.suffix[1:]] = str(ARTIFACT_ROOT / path.name)
         return report
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
 
 
 def _ptx_features(ptx: str) -> dict[str, int]:
