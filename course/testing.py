@@ -18,6 +18,13 @@ from course import reference
 TOLERANCE_FACTOR = 2.0
 EPSILON = 1e-4
 
+# Shape sweeps shared by the stages' GPU tests.
+DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIMS = (64, 128)
+GQA_HEADS = ((4, 4), (8, 2), (8, 1))  # (H_q, H_kv): ratios 1, 4, 8
+# (S_q, S_k) with S_k <= 128: tile multiples, tails on both sides, S_q != S_k both ways, S_k = 1.
+SINGLE_TILE_LENGTHS = ((128, 128), (1, 1), (300, 100), (77, 128), (1000, 1), (64, 127), (129, 65), (513, 37))
+
 
 def gpu_skip_reason() -> str | None:
     """Why GPU tests can't run here, or None when a Hopper GPU and the DSL are present."""

@@ -6,8 +6,7 @@ import torch
 from course import stages, testing
 
 STAGE = stages.get(1)
-DTYPES = [torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 128]
+DTYPES, HEAD_DIMS = testing.DTYPES, testing.HEAD_DIMS
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +67,7 @@ def test_cross_compiles_for_sm90a(stage, dtype, head_dim):
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
 
-SHAPES = [  # (S_q, S_k): tile multiples, tails on both sides, S_q != S_k both ways, S_k = 1
-    (128, 128), (1, 1), (300, 100), (77, 128), (1000, 1), (64, 127), (129, 65), (513, 37),
-]
-HEADS = [(4, 4), (8, 2), (8, 1)]  # GQA ratios 1, 4, 8
+SHAPES, HEADS = testing.SINGLE_TILE_LENGTHS, testing.GQA_HEADS
 
 
 @pytest.mark.gpu
