@@ -113,8 +113,10 @@ def check(number: int, impl: str) -> int:
         first = collector.failed[0]
         message = first.longrepr.reprcrash.message if hasattr(first.longrepr, "reprcrash") else str(first.longrepr)
         console.print(f"[red]Not there yet.[/] First thing to fix ({first.nodeid.split('::')[-1]}):")
-        console.print(message.splitlines()[0][:1000] if message else "(no message)", markup=False)
-        console.print(f"Hints: docs/{stage.docs_page}")
+        first_line = message.splitlines()[0][:1000] if message else "(no message)"
+        console.print(first_line, markup=False)
+        if "Hints:" not in first_line:
+            console.print(f"Hints: docs/{stage.docs_page}")
         return 1
     if code != 0 and not failed:
         console.print("[red]pytest could not run the tests[/] (see `python -m pytest " f"{test_file} --impl={impl}`)")
