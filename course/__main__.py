@@ -1,4 +1,4 @@
-"""The course command line: ``python -m course status | check N | bench | skeletons``."""
+"""The course command line: ``python -m course status | check N | bench | skeletons | diffs``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main(argv=None) -> int:
     bench.add_argument("--out", default=None, help="folder for bench.json/.md/.png (default: docs/results)")
     bench.add_argument("--repeats", type=int, default=50)
     sub.add_parser("skeletons", help="regenerate stages/ from the solutions' exercise regions")
+    sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)")
     args = parser.parse_args(argv)
 
     if args.command == "check":
@@ -39,6 +40,12 @@ def main(argv=None) -> int:
         from course import skeleton
 
         for path in skeleton.write_all():
+            print(f"wrote {path}")
+        return 0
+    if args.command == "diffs":
+        from course import diffs
+
+        for path in diffs.write_all():
             print(f"wrote {path}")
         return 0
     from course.cli import status

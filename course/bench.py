@@ -29,21 +29,78 @@ class PrefillShape:
     seqlen_k: int
     head_dim: int
     dtype: str = "float16"
+    causal: bool = False
+    window: tuple = (-1, -1)
+    sinks: bool = False  # a sink logit per head (random values)
+    lse: bool = False  # also write the per-row LSE
 
     @property
     def label(self) -> str:
-        return f"B={self.batch} H={self.heads} S_q={self.seqlen_q} S_k={self.seqlen_k} D={self.head_dim} {self.dtype}"
+        label = f"B={self.batch} H={self.heads} S_q={self.seqlen_q} S_k={self.seqlen_k} D={self.head_dim} {self.dtype}"
+        if self.causal:
+            label += " causal"
+        if self.window != (-1, -1):
+            label += f" window={self.window}"
+        if self.sinks:
+            label += " sinks"
+        if self.lse:
+            label += " +LSE"
+        return label
+
+    @property
+    def features(self) -> dict:
+        """The keyword arguments that select this shape's mask in ``attention``."""
+        features = {"causal": self.causal, "window_size": self.window} if self.causal or self.window != (-1, -1) else {}
+        return {**features, "return_lse": True} if self.lse else features
+
+    @property
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the mask lets through: the work any kernel must do."""
+        import numpy as np
+
+        left, right = self.window
+        if self.causal:
+            right = 0
+        diag = np.arange(self.seqlen_q) + self.seqlen_k - self.seqlen_q
+        hi = np.minimum(self.seqlen_k - 1, diag + right) if right >= 0 else np.full_like(diag, self.seqlen_k - 1)
+        lo = np.maximum(0, diag - left) if left >= 0 else np.zeros_like(diag)
+        return int(np.clip(hi - lo + 1, 0, None).sum())
 
     @property
     def flops(self) -> int:
-        """Two GEMMs of 2*S_q*S_k*D flops per head (non-causal)."""
-        return 4 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+        """Two GEMMs of 2*D flops per visible (query, key) pair and head."""
+        return 4 * self.batch * self.heads * self.head_dim * self.visible_pairs
 
     @property
     def bytes_moved(self) -> int:
         """Q, K, V read and O written once: the least any kernel must move."""
         rows = 2 * self.seqlen_q + 2 * self.seqlen_k
         return 2 * self.batch * self.heads * rows * self.head_dim
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """One decode benchmark: B sequences of ``seqlen_k`` cached tokens, one query token each."""
+
+    batch: int
+    seqlen_k: int
+    heads_q: int = 32
+    heads_kv: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+    paged: bool = False
+    page_size: int = 64
+
+    @property
+    def label(self) -> str:
+        layout = f"paged {self.page_size}" if self.paged else "contiguous"
+        return (f"B={self.batch} L={self.seqlen_k} H_q={self.heads_q} H_kv={self.heads_kv} "
+                f"D={self.head_dim} {self.dtype} {layout}")
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V every decode kernel must read once (2 bytes per fp16/bf16 element)."""
+        return 2 * self.batch * self.seqlen_k * self.heads_kv * self.head_dim * 2
 
 
 def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
@@ -68,14 +125,20 @@ def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
 
 
 def sdpa(backend):
-    """PyTorch SDPA restricted to one backend, on [B, S, H, D] tensors like the kernels."""
-    import torch
+    """PyTorch SDPA restricted to one backend, on [B, S, H, D] tensors like the kernels.
+
+    Causal only (SDPA has no sliding window); its causal mask is top-left aligned,
+    which equals the contract's bottom-right one when S_q == S_k, as in the benchmarks.
+    """
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    def run(q, k, v):
+    def run(q, k, v, causal=False, window_size=(-1, -1), sink_logits=None, return_lse=False):
+        if window_size != (-1, -1) or sink_logits is not None or return_lse:
+            raise RuntimeError("SDPA has no sliding-window attention, sink logits or LSE output here")
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal)
 
     return run
 
@@ -107,33 +170,38 @@ def environment() -> dict:
 
 
 def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
-    """Rows of {stage, kernel, shape, ms, tflops, gbps} for each stage's BENCH_SHAPES."""
+    """Rows of {stage, kernel, shape, ms, tflops, gbps}: every stage on its BENCH_SHAPES,
+    and PyTorch SDPA (flash, cuDNN) once per distinct shape."""
     import torch
     from torch.nn.attention import SDPBackend
 
     from course import testing
 
     baselines = {"SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    modules = {number: stages.get(number).load(impl) for number in stage_numbers}
+    shapes = dict.fromkeys(shape for module in modules.values() for shape in module.BENCH_SHAPES)
     rows = []
-    for number in stage_numbers:
-        stage = stages.get(number)
-        module = stage.load(impl)
-        for shape in module.BENCH_SHAPES:
-            q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
-                                         shape.head_dim, getattr(torch, shape.dtype))
-            kernels = {f"stage {number}": module.attention, **baselines}
-            for name, fn in kernels.items():
-                try:
-                    ms = time_cuda(lambda: fn(q, k, v), repeats=repeats)
-                except RuntimeError as error:  # a backend that refuses the shape
-                    print(f"  {name} on {shape.label}: not run ({str(error).splitlines()[0]})")
-                    continue
-                rows.append({
-                    "stage": number, "kernel": name, "shape": asdict(shape), "label": shape.label,
-                    "ms": ms, "tflops": shape.flops / ms / 1e9, "gbps": shape.bytes_moved / ms / 1e6,
-                })
-                print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s, "
-                      f"{rows[-1]['gbps']:.0f} GB/s")
+    for shape in shapes:
+        q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
+                                     shape.head_dim, getattr(torch, shape.dtype))
+        features = dict(shape.features)
+        if shape.sinks:
+            features["sink_logits"] = torch.randn(shape.heads, device="cuda")
+        kernels = {f"stage {n}": (n, m.attention) for n, m in modules.items() if shape in m.BENCH_SHAPES}
+        kernels.update({name: (None, fn) for name, fn in baselines.items()})
+        for name, (number, fn) in kernels.items():
+            try:
+                ms = time_cuda(lambda: fn(q, k, v, **features), repeats=repeats)
+            except RuntimeError as error:  # a backend that refuses the shape
+                print(f"  {name} on {shape.label}: not run ({str(error).splitlines()[0]})")
+                continue
+            rows.append({
+                "stage": number, "kernel": name, "shape": asdict(shape), "label": shape.label,
+                "ms": ms, "tflops": shape.flops / ms / 1e9, "gbps": shape.bytes_moved / ms / 1e6,
+            })
+            print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s, "
+                  f"{rows[-1]['gbps']:.0f} GB/s")
+        del q, k, v
     return rows
 
 
@@ -180,17 +248,177 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------- decode (stage 7)
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """GB/s of a device-to-device copy (bytes read + bytes written per second): the memory roofline."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src), repeats=repeats)
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def sdpa_decode(backend):
+    """PyTorch SDPA restricted to one backend, on decode inputs: q [B, H_q, D], a contiguous cache [B, L, H_kv, D]."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, *unused):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                                                  enable_gqa=True)
+
+    return run
+
+
+def decode_inputs(shape: DecodeShape, seed: int = 0):
+    """q [B, H_q, D], the K/V cache of B full sequences of L tokens, seqlens and (paged) the block table.
+
+    The paged cache is the contiguous one seen as B * L / page_size pages, visited
+    through a shuffled block table: no second copy of the cache in memory.
+    """
+    import torch
+
+    dtype = getattr(torch, shape.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(shape.batch, shape.heads_q, shape.head_dim, device="cuda", dtype=dtype, generator=gen)
+    cache_shape = (shape.batch, shape.seqlen_k, shape.heads_kv, shape.head_dim)
+    k = torch.randn(cache_shape, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(cache_shape, device="cuda", dtype=dtype, generator=gen)
+    seqlens = torch.full((shape.batch,), shape.seqlen_k, dtype=torch.int32, device="cuda")
+    table = None
+    if shape.paged:
+        pages = shape.batch * shape.seqlen_k // shape.page_size
+        table = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(shape.batch, -1)
+    return q, k, v, seqlens, table
+
+
+def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> dict:
+    """{copy_gbps, rows}: every decode stage on its BENCH_SHAPES next to SDPA (cuDNN, flash) with enable_gqa.
+
+    Effective bandwidth = bytes of K and V read once / time. SDPA sees the
+    contiguous cache as [B, H_kv, L, D] (a transposed view) and q as
+    [B, H_q, 1, D]; it runs once per contiguous shape. Shapes whose cache does
+    not fit in the free GPU memory are skipped.
+    """
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    baselines = {"SDPA cuDNN": sdpa_decode(SDPBackend.CUDNN_ATTENTION),
+                 "SDPA flash": sdpa_decode(SDPBackend.FLASH_ATTENTION)}
+    copy_gbps = copy_bandwidth()
+    print(f"  device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
+    modules = {number: stages.get(number).load(impl) for number in stage_numbers}
+    shapes = dict.fromkeys(shape for module in modules.values() for shape in module.BENCH_SHAPES)
+    rows = []
+    for shape in shapes:
+        free, _ = torch.cuda.mem_get_info()
+        if shape.kv_bytes * 1.15 > free:
+            print(f"  {shape.label}: skipped, the cache ({shape.kv_bytes / 2**30:.1f} GiB) does not fit "
+                  f"in the free GPU memory ({free / 2**30:.1f} GiB)")
+            continue
+        inputs = decode_inputs(shape)
+        kernels = {}
+        for n, m in modules.items():
+            if shape in m.BENCH_SHAPES:
+                kernels[f"stage {n}"] = (n, lambda q, k, v, s, t, m=m: m.decode_attention(
+                    q, k if t is None else k.view(-1, shape.page_size, *k.shape[2:]),
+                    v if t is None else v.view(-1, shape.page_size, *v.shape[2:]), s, block_table=t,
+                    check_lengths=False))
+        if not shape.paged:
+            kernels.update({name: (None, fn) for name, fn in baselines.items()})
+        for name, (number, fn) in kernels.items():
+            try:
+                ms = time_cuda(lambda: fn(*inputs), repeats=repeats)
+            except RuntimeError as error:  # a backend that refuses the shape, or runs out of memory
+                print(f"  {name} on {shape.label}: not run ({str(error).splitlines()[0]})")
+                torch.cuda.empty_cache()
+                continue
+            gbps = shape.kv_bytes / ms / 1e6
+            rows.append({"stage": number, "kernel": name, "shape": asdict(shape), "label": shape.label,
+                         "ms": ms, "gbps": gbps, "copy_fraction": gbps / copy_gbps})
+            print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {gbps:.0f} GB/s of K and V "
+                  f"({100 * gbps / copy_gbps:.0f}% of the copy bandwidth)")
+        del inputs
+        torch.cuda.empty_cache()
+    return {"copy_gbps": copy_gbps, "rows": rows}
+
+
+def decode_markdown_table(results: dict) -> str:
+    """The decode table: effective K/V bandwidth, and as a fraction of the measured copy bandwidth."""
+    decode = results.get("decode")
+    if not decode or not decode["rows"]:
+        return ""
+    lines = [
+        "",
+        f"Decode: effective bandwidth = bytes of K and V read once / time. Device-to-device copy on the "
+        f"same GPU in the same run: {decode['copy_gbps']:.0f} GB/s (read + write).",
+        "",
+        "| shape | kernel | time (ms) | K/V GB/s | of copy bandwidth | vs SDPA cuDNN |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    rows = decode["rows"]
+
+    def contiguous_label(row):  # SDPA runs on the contiguous cache: paged rows compare with it
+        return DecodeShape(**{**row["shape"], "paged": False}).label
+
+    for label in dict.fromkeys(r["label"] for r in rows):
+        group = [r for r in rows if r["label"] == label]
+        cudnn = next((r["ms"] for r in rows
+                      if r["label"] == contiguous_label(group[0]) and r["kernel"] == "SDPA cuDNN"), None)
+        for r in group:
+            ratio = f"{cudnn / r['ms']:.2f}x" if cudnn else "-"
+            lines.append(f"| {label} | {r['kernel']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
+                         f"{100 * r['copy_fraction']:.0f}% | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_decode(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["decode"]["rows"]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4.5))
+    width = 0.8 / len(kernels)
+    for i, name in enumerate(kernels):
+        values = [next((r["gbps"] for r in rows if r["label"] == lab and r["kernel"] == name), 0) for lab in labels]
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    ax.axhline(results["decode"]["copy_gbps"], color="gray", linestyle="--", linewidth=1, label="copy bandwidth")
+    ax.set_xticks([x + width * (len(kernels) - 1) / 2 for x in range(len(labels))])
+    ax.set_xticklabels([lab.replace(" H_q", "\nH_q").replace(" float16", "\nfloat16") for lab in labels], fontsize=6)
+    ax.set_ylabel("effective K/V bandwidth (GB/s)")
+    ax.set_title(f"Decode on {results['environment']['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 50) -> dict:
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("course bench times kernels on the GPU: it needs a Hopper GPU (sm_90)")
     numbers = stage_numbers or [s.number for s in stages.STAGES if s.ready]
-    results = {"environment": environment(), "rows": bench_prefill(numbers, impl=impl, repeats=repeats)}
+    prefill = [n for n in numbers if stages.get(n).kind == "prefill"]
+    decode = [n for n in numbers if stages.get(n).kind == "decode"]
+    results = {"environment": environment(), "rows": bench_prefill(prefill, impl=impl, repeats=repeats)}
+    if decode:
+        results["decode"] = bench_decode(decode, impl=impl, repeats=repeats)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out_dir / "bench.md").write_text(markdown_table(results))
-    plot(results, out_dir / "bench.png")
-    print(f"wrote {out_dir / 'bench.json'}, bench.md and bench.png")
+    (out_dir / "bench.md").write_text(markdown_table(results) + decode_markdown_table(results))
+    if results["rows"]:
+        plot(results, out_dir / "bench.png")
+    if results.get("decode", {}).get("rows"):
+        plot_decode(results, out_dir / "bench-decode.png")
+    print(f"wrote {out_dir / 'bench.json'}, bench.md, bench.png" + (" and bench-decode.png" if decode else ""))
     return results

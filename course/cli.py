@@ -7,6 +7,7 @@ import re
 from contextlib import redirect_stdout
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from course import stages, testing
@@ -19,9 +20,9 @@ def todos_left(stage: stages.Stage, impl: str) -> int:
 
 
 def _compile_cell(module) -> str:
-    """Cross-compile the stage's first configuration; a skeleton stops at its first TODO."""
+    """Cross-compile the stage's last configuration (every feature on); a skeleton stops at its first TODO."""
     try:
-        report = module.cross_compile_config(*module.KERNEL_CONFIGS[0])
+        report = module.cross_compile_config(*module.KERNEL_CONFIGS[-1])
     except NotImplementedError as error:
         return f"[yellow]stops at TODO[/] ({str(error).split(':')[0].split(' in ')[-1]})"
     except Exception as error:  # a learner's trace error is the useful thing to show
@@ -53,6 +54,32 @@ def _gpu_cells(module) -> tuple[str, str]:
         return f"[red]error[/]: {type(error).__name__}", "-"
 
 
+def _decode_gpu_cells(module) -> tuple[str, str]:
+    """(numerics, bandwidth) of a decode stage: a ragged paged batch checked, one bench shape timed."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from course import bench
+
+    try:
+        inputs = testing.random_decode_inputs([1, 300, 5000], 8, 2, 128, torch.float16, page_size=64, seed=1)
+        out = module.decode_attention(**inputs, out=testing.poisoned_like(inputs["q"]))
+        report = testing.compare_decode_with_reference(out, **inputs)
+        ok = report.ok and not torch.isnan(out).any()
+        numerics = "[green]pass[/]" if ok else f"[red]fail[/] (max err {report.max_error:.1e})"
+        shape = bench.DecodeShape(8, 32768)
+        q, k, v, seqlens, _ = bench.decode_inputs(shape)
+        ours = bench.time_cuda(lambda: module.decode_attention(q, k, v, seqlens, check_lengths=False), repeats=10)
+        cudnn = bench.time_cuda(lambda: bench.sdpa_decode(SDPBackend.CUDNN_ATTENTION)(q, k, v), repeats=10)
+        speed = (f"{shape.kv_bytes / ours / 1e6:.0f} GB/s of K/V at B=8 L=32k "
+                 f"(cuDNN {shape.kv_bytes / cudnn / 1e6:.0f})")
+        return numerics, speed
+    except NotImplementedError:
+        return "[yellow]TODO[/]", "-"
+    except Exception as error:
+        return f"[red]error[/]: {type(error).__name__}", "-"
+
+
 def status() -> int:
     gpu_reason = testing.gpu_skip_reason()
     table = Table(title="Hopper FMHA course: stages", show_lines=True)
@@ -74,7 +101,7 @@ def status() -> int:
                     cells = [_compile_cell(module)]
                     if gpu_reason is None:
                         spinner.update(f"stage {stage.number} ({impl}): running on the GPU...")
-                        cells += list(_gpu_cells(module))
+                        cells += list(_decode_gpu_cells(module) if stage.kind == "decode" else _gpu_cells(module))
                 table.add_row(str(stage.number), stage.title, stage.adds, f"{impl}/",
                               str(todos_left(stage, impl)), *cells)
     console.print(table)
@@ -112,7 +139,7 @@ def check(number: int, impl: str) -> int:
     if failed:
         first = collector.failed[0]
         message = first.longrepr.reprcrash.message if hasattr(first.longrepr, "reprcrash") else str(first.longrepr)
-        console.print(f"[red]Not there yet.[/] First thing to fix ({first.nodeid.split('::')[-1]}):")
+        console.print(f"[red]Not there yet.[/] First thing to fix ({escape(first.nodeid.split('::')[-1])}):")
         first_line = message.splitlines()[0][:1000] if message else "(no message)"
         console.print(first_line, markup=False)
         if "Hints:" not in first_line:

@@ -35,13 +35,15 @@ def cute_dtype(torch_dtype):
     return table[torch_dtype]
 
 
-def symbolic_tensor(dtype, shape: tuple, *, symbols: dict, align: int = 16):
+def symbolic_tensor(dtype, shape: tuple, *, symbols: dict, align: int = 16, stride_divisibility: int = 8):
     """A fake global-memory tensor whose extents and strides are runtime values.
 
     Each entry of ``shape`` is an int (a compile-time extent, e.g. the head
     dim) or a name; tensors that use the same name share one runtime symbol
     (Q and O share B, S_q and H_q). The last mode is contiguous (stride 1);
-    the other strides are multiples of 8 elements, as TMA needs (16 bytes).
+    the other strides are multiples of ``stride_divisibility`` elements: 8 by
+    default, as TMA needs (16-byte rows); 1 for tensors that no TMA touches
+    (LSE, sink logits). Calls are checked against these promises at run time.
     """
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -49,13 +51,16 @@ def symbolic_tensor(dtype, shape: tuple, *, symbols: dict, align: int = 16):
     extents = tuple(
         e if isinstance(e, int) else symbols.setdefault(e, cute.sym_int(symbol=e)) for e in shape
     )
-    stride = tuple(cute.sym_int64(divisibility=8) for _ in shape[:-1]) + (1,)
+    stride = tuple(cute.sym_int64(divisibility=stride_divisibility) for _ in shape[:-1]) + (1,)
     return make_fake_tensor(cute_dtype(dtype), extents, stride, assumed_align=align)
 
 
-def fake_attention_tensors(dtype, head_dim: int):
-    """Fake q, k, v, o ([B, S, H, D]) for compiling an attention kernel once for all shapes."""
-    symbols: dict = {}
+def fake_attention_tensors(dtype, head_dim: int, symbols: dict | None = None):
+    """Fake q, k, v, o ([B, S, H, D]) for compiling an attention kernel once for all shapes.
+
+    Pass ``symbols`` to share B, S_q, S_k, H_q, H_kv with further fake tensors.
+    """
+    symbols = {} if symbols is None else symbols
     q = symbolic_tensor(dtype, ("B", "S_q", "H_q", head_dim), symbols=symbols)
     k = symbolic_tensor(dtype, ("B", "S_k", "H_kv", head_dim), symbols=symbols)
     v = symbolic_tensor(dtype, ("B", "S_k", "H_kv", head_dim), symbols=symbols)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from course.compile import cute_dtype
 
-__all__ = ["cute_dtype", "compiled", "demo"]
+__all__ = ["cute_dtype", "compiled", "placeholder_sinks", "placeholder_lse", "demo"]
 
 _CACHE: dict = {}
 
@@ -29,6 +29,29 @@ def compiled(key, make_kernel_and_args):
     return _CACHE[key]
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder_sinks(device, heads_q: int):
+    """A float32 [H_q] tensor for kernels compiled without sink logits, which never read it."""
+    import torch
+
+    key = (str(device), heads_q)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(heads_q, device=device, dtype=torch.float32)
+    return _PLACEHOLDERS[key]
+
+
+def placeholder_lse(device):
+    """A 1-element float32 tensor for kernels compiled without LSE output, which never write it."""
+    import torch
+
+    key = (str(device), "lse")
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, 1, 1, device=device, dtype=torch.float32)
+    return _PLACEHOLDERS[key]
+
+
 def demo(attention, *, seqlen_q: int, seqlen_k: int, batch: int = 2, heads_q: int = 8,
          heads_kv: int = 2, head_dim: int = 128, **features):
     """Run one stage once on random inputs and print its error next to PyTorch's."""
@@ -40,5 +63,8 @@ def demo(attention, *, seqlen_q: int, seqlen_k: int, batch: int = 2, heads_q: in
         raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
     q, k, v = testing.random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, torch.float16)
     out = attention(q, k, v, **features)
+    if isinstance(out, tuple):  # (O, LSE)
+        out = out[0]
     torch.cuda.synchronize()
-    print(f"stage output {tuple(out.shape)}: {testing.compare_with_reference(out, q, k, v, **features)}")
+    mask_features = {name: value for name, value in features.items() if name != "return_lse"}
+    print(f"stage output {tuple(out.shape)}: {testing.compare_with_reference(out, q, k, v, **mask_features)}")

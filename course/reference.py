@@ -68,3 +68,97 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         return o
     lse = (torch.log(denom) + row_max).squeeze(-1).float()             # log(0) = -inf for empty rows
     return o, lse
+
+
+# ---------------------------------------------------------------- decode (stage 7)
+
+def decode_visible_keys(seqlen: int, *, window_size_left: int = -1, num_sink_tokens: int = 0,
+                        device=None) -> torch.Tensor:
+    """Bool [seqlen]: may the query of a sequence of ``seqlen`` cached tokens attend to key j?
+
+    The query sits at position seqlen - 1 (the newest token), so every cached
+    key j < seqlen is visible, except that a left window hides the keys with
+    j < seqlen - 1 - window_size_left; keys j < num_sink_tokens stay visible.
+    """
+    j = torch.arange(seqlen, device=device)
+    visible = torch.ones(seqlen, dtype=torch.bool, device=device)
+    if window_size_left >= 0:
+        visible &= (j >= seqlen - 1 - window_size_left) | (j < num_sink_tokens)
+    return visible
+
+
+def decode_keys_values(k_cache, v_cache, batch: int, seqlen: int, block_table=None):
+    """The first ``seqlen`` cached K and V rows [seqlen, H_kv, D] of sequence ``batch``.
+
+    A paged cache [num_pages, page_size, H_kv, D] is gathered through
+    block_table[batch]: key j lives in page block_table[batch, j // page_size]
+    at row j % page_size.
+    """
+    if block_table is None:
+        return k_cache[batch, :seqlen], v_cache[batch, :seqlen]
+    page_size = k_cache.shape[1]
+    j = torch.arange(seqlen, device=k_cache.device)
+    pages = block_table[batch].to(device=k_cache.device, dtype=torch.long)[j // page_size]
+    return k_cache[pages, j % page_size], v_cache[pages, j % page_size]
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                     window_size_left=-1, sink_logits=None, num_sink_tokens=0, return_lse=False,
+                     dtype=torch.float64):
+    """O [B, H_q, D] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``.
+
+    q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D] or paged [num_pages,
+    page_size, H_kv, D] with block_table [B, max_pages]; cache_seqlens [B].
+    Sequence by sequence: the visible keys from ``decode_visible_keys``, then
+    the same safe softmax as ``attention`` (sink logit in the denominator
+    only). A sequence with no visible key gets O = 0 and LSE = -inf (or the
+    sink logit).
+    """
+    b, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    o = torch.zeros(b, h_q, d, dtype=dtype, device=q.device)
+    lse = torch.full((b, h_q), -math.inf, dtype=torch.float32, device=q.device)
+    lengths = [int(n) for n in cache_seqlens.tolist()]
+    for bi, seqlen in enumerate(lengths):
+        k, v = decode_keys_values(k_cache, v_cache, bi, seqlen, block_table)
+        k, v = k.to(device=q.device, dtype=dtype), v.to(device=q.device, dtype=dtype)
+        qb = q[bi].to(dtype).view(h_kv, group, d)                          # [H_kv, G, D]
+        scores = torch.einsum("hgd,jhd->hgj", qb, k) * scale              # [H_kv, G, L]
+        mask = decode_visible_keys(seqlen, window_size_left=window_size_left,
+                                   num_sink_tokens=num_sink_tokens, device=q.device)
+        scores = scores.masked_fill(~mask, -math.inf).reshape(h_q, seqlen)
+        row_max = scores.amax(dim=-1, keepdim=True) if seqlen else torch.full(
+            (h_q, 1), -math.inf, dtype=dtype, device=q.device)
+        if sink_logits is not None:
+            sink = sink_logits.to(device=q.device, dtype=dtype).view(h_q, 1)
+            row_max = torch.maximum(row_max, sink)
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # nothing visible
+        p = torch.exp(scores - row_max)                                    # [H_q, L]
+        denom = p.sum(dim=-1, keepdim=True)
+        if sink_logits is not None:
+            denom = denom + torch.exp(sink - row_max)
+        pv = torch.einsum("hgj,jhd->hgd", p.view(h_kv, group, seqlen), v).reshape(h_q, d)
+        o[bi] = pv / torch.where(denom > 0, denom, torch.ones_like(denom))
+        lse[bi] = (torch.log(denom) + row_max).squeeze(-1).float()
+    return (o, lse) if return_lse else o
+
+
+def merge_attention_states(o_a, lse_a, o_b, lse_b):
+    """Merge two results over disjoint key sets (COURSE.md): returns (O float64, LSE float32).
+
+    M = max(lse_a, lse_b) (0 if both are -inf), w = exp(lse - M),
+    lse = M + log(w_a + w_b), O = (w_a O_a + w_b O_b) / (w_a + w_b); zero
+    weights give O = 0 and LSE = -inf.
+    """
+    la, lb = lse_a.double(), lse_b.double()
+    top = torch.maximum(la, lb)
+    top = torch.where(torch.isinf(top) & (top < 0), torch.zeros_like(top), top)
+    w_a, w_b = torch.exp(la - top), torch.exp(lb - top)
+    total = w_a + w_b
+    lse = (top + torch.log(total)).float()
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    scale_a = (torch.where(total > 0, w_a / safe, torch.zeros_like(total))).transpose(1, 2)[..., None]
+    scale_b = (torch.where(total > 0, w_b / safe, torch.zeros_like(total))).transpose(1, 2)[..., None]
+    return scale_a * o_a.double() + scale_b * o_b.double(), lse

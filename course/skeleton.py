@@ -25,30 +25,38 @@ DEF = re.compile(r"^\s*def (\w+)\(")
 
 
 def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
-    """The skeleton text for ``stage`` made from a solution's text."""
+    """The skeleton text for ``stage`` made from a solution's text.
+
+    Regions may nest (a later stage's region inside an earlier one's): only the
+    regions of ``stage`` are cut, together with anything nested inside them.
+    """
     out: list[str] = []
-    inside = False
+    stack: list[bool] = []  # one entry per open region: is it cut from this skeleton?
     function = "<module>"
     for number, line in enumerate(solution.splitlines(keepends=True), start=1):
         if DEF.match(line):
             function = DEF.match(line).group(1)
-        opened = OPEN.match(line)
-        if inside:
-            if OPEN.match(line):
-                raise ValueError(f"line {number}: exercise region opened inside another one")
-            inside = not CLOSE.match(line)
+        opened, closed = OPEN.match(line), CLOSE.match(line)
+        inside_cut = any(stack)
+        if opened:
+            cut = int(opened["stage"]) == stage
+            stack.append(cut)
+            if cut and not inside_cut:
+                indent, hint = opened["indent"], opened["hint"]
+                message = f"TODO(stage {stage}) in {function}(): {hint} Hints: docs/{docs_page}"
+                out.append(f"{indent}# TODO(stage {stage}): {hint}\n")
+                out.append(f"{indent}raise NotImplementedError({message!r})\n")
+            if cut or inside_cut:
+                continue
+        elif closed:
+            if not stack:
+                raise ValueError(f"line {number}: '# [/exercise]' without an opening marker")
+            if stack.pop() or any(stack):
+                continue
+        elif inside_cut:
             continue
-        if opened and int(opened["stage"]) == stage:
-            indent, hint = opened["indent"], opened["hint"]
-            message = f"TODO(stage {stage}) in {function}(): {hint} Hints: docs/{docs_page}"
-            out.append(f"{indent}# TODO(stage {stage}): {hint}\n")
-            out.append(f"{indent}raise NotImplementedError({message!r})\n")
-            inside = True
-            continue
-        if CLOSE.match(line):
-            raise ValueError(f"line {number}: '# [/exercise]' without an opening marker")
         out.append(line)
-    if inside:
+    if stack:
         raise ValueError("an exercise region is not closed with '# [/exercise]'")
     return "".join(out)
 

@@ -17,6 +17,7 @@ class Stage:
     title: str
     adds: str
     ready: bool  # False: planned, no code yet
+    kind: str = "prefill"  # "prefill": module.attention on [B, S, H, D]; "decode": module.decode_attention
 
     @property
     def module_name(self) -> str:
@@ -42,17 +43,17 @@ STAGES = [
     Stage(1, "single_tile", "Single-tile FMHA",
           "TMA loads, WGMMA for Q K^T and P V, softmax in registers, GQA", ready=True),
     Stage(2, "multi_tile", "Multi-tile TMA loading",
-          "a pipelined loop over KV tiles (smem ring + mbarriers), two-pass softmax", ready=False),
+          "a pipelined loop over KV tiles (smem ring + mbarriers), two-pass softmax", ready=True),
     Stage(3, "online_softmax", "Online softmax correction",
-          "one pass: running max and sum, rescaling O", ready=False),
+          "one pass: running max and sum, rescaling O", ready=True),
     Stage(4, "masking", "Sliding-window and causal masking",
-          "masks from coordinates, skipping fully masked KV tiles", ready=False),
+          "masks from coordinates, skipping fully masked KV tiles", ready=True),
     Stage(5, "sinks", "Attention sinks",
-          "sink logits (gpt-oss) and sink tokens (StreamingLLM)", ready=False),
+          "sink logits (gpt-oss) and sink tokens (StreamingLLM)", ready=True),
     Stage(6, "lse", "Per-row LSE and merging",
-          "log-sum-exp output and merging partial results", ready=False),
+          "log-sum-exp output and merging partial results", ready=True),
     Stage(7, "decode", "Decode with split-KV",
-          "one query token, paged KV cache, multi-block reduction", ready=False),
+          "one query token, paged KV cache, multi-block reduction", ready=True, kind="decode"),
 ]
 
 

@@ -24,6 +24,8 @@ HEAD_DIMS = (64, 128)
 GQA_HEADS = ((4, 4), (8, 2), (8, 1))  # (H_q, H_kv): ratios 1, 4, 8
 # (S_q, S_k) with S_k <= 128: tile multiples, tails on both sides, S_q != S_k both ways, S_k = 1.
 SINGLE_TILE_LENGTHS = ((128, 128), (1, 1), (300, 100), (77, 128), (1000, 1), (64, 127), (129, 65), (513, 37))
+# Any S_k: one tile, around a tile boundary, many tiles; S_q != S_k both ways.
+MULTI_TILE_LENGTHS = ((1, 1), (128, 127), (200, 128), (129, 129), (256, 256), (77, 1000), (1000, 300), (300, 4097))
 
 
 def gpu_skip_reason() -> str | None:
@@ -140,4 +142,140 @@ def assert_attention_matches(out, q, k, v, where: str = "", **features) -> Error
             f"{where}: output differs from the reference: {report}. Worst element at [b, s, h, d] = "
             f"{[int(i) for i in idx]}."
         )
+    return report
+
+
+# ---------------------------------------------------------------- decode (stage 7)
+
+# KV lengths for the decode tests: 1 and 2 keys, around a power of two, one past 4096, long caches.
+DECODE_LENGTHS = (1, 2, 127, 128, 4097, 32768, 131072)
+
+
+def random_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_size=None, capacity=None,
+                         device="cuda", seed=0) -> dict:
+    """Fresh N(0, 1) inputs of ``decode_attention``: q and a KV cache holding ``lengths[b]`` tokens of sequence b.
+
+    Returns a dict with q, k_cache, v_cache, cache_seqlens and block_table, to
+    be passed as ``decode_attention(**inputs)``. Every cache slot that no
+    sequence owns is NaN, so a kernel that reads past a sequence's length (or
+    outside its pages) produces NaN.
+
+    Contiguous (``page_size=None``): k/v_cache [B, capacity, H_kv, D] with
+    capacity max(lengths) + 5 by default, block_table None. Paged: the pages
+    of all sequences are shuffled in one pool [num_pages, page_size, H_kv, D]
+    with two spare pages; block_table [B, max_pages] int32 holds -1 past a
+    sequence's last page.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lengths = [int(n) for n in lengths]
+    batch = len(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    q = randn(batch, heads_q, head_dim)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if page_size is None:
+        capacity = capacity if capacity is not None else max(lengths) + 5
+        k_cache = randn(batch, capacity, heads_kv, head_dim)
+        v_cache = randn(batch, capacity, heads_kv, head_dim)
+        for b, n in enumerate(lengths):
+            k_cache[b, n:] = float("nan")
+            v_cache[b, n:] = float("nan")
+        return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=None)
+    pages_per_seq = [-(-n // page_size) for n in lengths]
+    max_pages = max(1, max(pages_per_seq))
+    if capacity is not None:
+        max_pages = max(max_pages, -(-capacity // page_size))
+    num_pages = sum(pages_per_seq) + 2
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
+    k_cache = torch.full((num_pages, page_size, heads_kv, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    table = torch.full((batch, max_pages), -1, dtype=torch.int32)
+    for b, (n, pages) in enumerate(zip(lengths, pages_per_seq)):
+        if not pages:
+            continue
+        own = torch.tensor([order.pop() for _ in range(pages)])
+        table[b, :pages] = own
+        for cache in (k_cache, v_cache):
+            rows = randn(pages * page_size, heads_kv, head_dim)
+            rows[n:] = float("nan")  # the tail of the last page belongs to nobody
+            cache[own.to(device)] = rows.view(pages, page_size, heads_kv, head_dim)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=table.to(device))
+
+
+def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                           window_size_left=-1, sink_logits=None, num_sink_tokens=0):
+    """PyTorch's SDPA in the inputs' precision, sequence by sequence, with the decode contract's masks and sink."""
+    import torch.nn.functional as F
+
+    h_q, h_kv = q.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(q)
+    for b, seqlen in enumerate(cache_seqlens.tolist()):
+        k, v = reference.decode_keys_values(k_cache, v_cache, b, seqlen, block_table)
+        kh, vh = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]          # [1, H_kv, L, D]
+        visible = reference.decode_visible_keys(seqlen, window_size_left=window_size_left,
+                                                num_sink_tokens=num_sink_tokens, device=q.device)
+        bias = torch.zeros(1, h_q, 1, seqlen, device=q.device, dtype=q.dtype).masked_fill(~visible, -math.inf)
+        if sink_logits is not None:
+            zeros = kh.new_zeros(1, h_kv, 1, kh.shape[3])
+            kh, vh = torch.cat([kh, zeros], dim=2), torch.cat([vh, zeros], dim=2)
+            bias = torch.cat([bias, sink_logits.to(q.dtype).view(1, h_q, 1, 1)], dim=-1)
+        if kh.shape[2] == 0:
+            continue  # no key and no sink: O = 0
+        o = F.scaled_dot_product_attention(q[b][None, :, None, :], kh, vh, attn_mask=bias, scale=softmax_scale,
+                                           enable_gqa=h_kv != h_q)
+        out[b] = torch.nan_to_num(o[0, :, 0], nan=0.0)
+    return out
+
+
+def compare_decode_with_reference(out, *, q, k_cache, v_cache, cache_seqlens, block_table=None,
+                                  **features) -> ErrorReport:
+    """Errors of a decode output and of PyTorch's own attention against the float64 reference."""
+    inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
+    ref = reference.decode_attention(**inputs, **features).float()
+    baseline = torch_decode_attention(**inputs, **features).float()
+    diff = (out.float() - ref).abs()
+    base = (baseline - ref).abs()
+    return ErrorReport(diff.max().item(), diff.mean().item(), base.max().item(), base.mean().item())
+
+
+LSE_TOLERANCE = 1e-3  # natural-log units; the kernels compute LSE in fp32 from fp16/bf16 scores
+
+
+def assert_decode_matches(out, inputs: dict, where: str = "", lse=None, **features) -> ErrorReport:
+    """Fail with a readable message when a decode output (and LSE) is not what the reference computes."""
+    nan = torch.isnan(out)
+    if nan.any():
+        idx = nan.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{where}: {nan.sum().item()} of {out.numel()} outputs are NaN (first at [b, h, d] = {idx}). The "
+            "output was NaN before the launch and the cache is NaN past every sequence's length: NaN means an "
+            "element was never written, a key past the length (or outside the sequence's pages) was read, or "
+            "a merge computed inf - inf or 0/0."
+        )
+    report = compare_decode_with_reference(out, **inputs, **features)
+    if not report.ok:
+        ref = reference.decode_attention(**inputs, **features).float()
+        worst = (out.float() - ref).abs().flatten().argmax().item()
+        idx = [int(i) for i in torch.unravel_index(torch.tensor(worst), out.shape)]
+        lengths = inputs["cache_seqlens"].tolist()
+        raise AssertionError(
+            f"{where}: output differs from the reference: {report}. Worst element at [b, h, d] = {idx} "
+            f"(sequence length {lengths[idx[0]]})."
+        )
+    if lse is not None:
+        _, ref_lse = reference.decode_attention(**inputs, **features, return_lse=True)
+        if torch.isnan(lse).any():
+            raise AssertionError(f"{where}: LSE has NaN at [b, h] = {torch.isnan(lse).nonzero()[0].tolist()}")
+        inf_ref, inf_out = torch.isneginf(ref_lse), torch.isneginf(lse)
+        if not torch.equal(inf_ref, inf_out):
+            idx = (inf_ref != inf_out).nonzero()[0].tolist()
+            raise AssertionError(f"{where}: LSE at [b, h] = {idx} is {lse[tuple(idx)].item()}, the reference "
+                                 f"{ref_lse[tuple(idx)].item()} (-inf exactly when no key and no sink)")
+        finite = ~inf_ref
+        err = (lse[finite] - ref_lse[finite]).abs()
+        if err.numel() and err.max().item() > LSE_TOLERANCE:
+            raise AssertionError(f"{where}: LSE differs from the reference by up to {err.max().item():.2e} "
+                                 f"(tolerance {LSE_TOLERANCE})")
     return report

@@ -92,10 +92,10 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, window_size=(-1, -1),
 
         if not isinstance(sink_logits, torch.Tensor):
             raise TypeError(f"sink_logits must be a torch.Tensor or None; got {type(sink_logits).__name__}")
-        if sink_logits.shape != (h_q,) or sink_logits.dtype != torch.float32:
+        if sink_logits.shape != (h_q,) or sink_logits.dtype != torch.float32 or sink_logits.stride() != (1,):
             raise ValueError(
                 f"sink_logits has shape {tuple(sink_logits.shape)} and dtype {sink_logits.dtype}; "
-                f"expected [{h_q}] (one per query head) float32"
+                f"expected a contiguous [{h_q}] (one per query head) float32 tensor"
             )
     if out is not None:
         _check_tensor("out", out, rank=4, layout=bshd)
@@ -104,6 +104,30 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, window_size=(-1, -1),
                 f"out has shape {tuple(out.shape)} {out.dtype}; expected {tuple(q.shape)} {q.dtype} like q"
             )
     return AttentionShape(b, s_q, s_k, h_q, h_kv, d)
+
+
+def check_merge_inputs(o_a, lse_a, o_b, lse_b, *, out=None, head_dims=(64, 128)) -> None:
+    """Two partial results to merge: O [B, S, H, D] fp16/bf16 and LSE [B, H, S] float32, matching."""
+    import torch
+
+    bshd = "[batch, seqlen, heads, head_dim]"
+    for name, t in (("o_a", o_a), ("o_b", o_b)):
+        _check_tensor(name, t, rank=4, layout=bshd)
+    if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype:
+        raise ValueError(f"o_a is {tuple(o_a.shape)} {o_a.dtype} but o_b is {tuple(o_b.shape)} {o_b.dtype}; they must match")
+    if o_a.shape[-1] not in head_dims:
+        raise ValueError(f"head_dim {o_a.shape[-1]} is not supported; supported: {', '.join(map(str, head_dims))}")
+    b, s, h, _ = o_a.shape
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.shape != (b, h, s) or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}; expected [B, H, S] = "
+                             f"[{b}, {h}, {s}] float32 with S contiguous (as attention(..., return_lse=True) returns)")
+    if out is not None:
+        _check_tensor("out", out, rank=4, layout=bshd)
+        if out.shape != o_a.shape or out.dtype != o_a.dtype:
+            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}; expected {tuple(o_a.shape)} {o_a.dtype}")
 
 
 def check_on_gpu(**tensors) -> None:
@@ -133,3 +157,142 @@ def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sin
             raise NotImplementedError(
                 f"{feature} is not implemented in stage {stage}; stage {added_in} ({title}) adds it"
             )
+
+
+# ---------------------------------------------------------------- decode (stage 7)
+
+@dataclass(frozen=True)
+class DecodeInputShape:
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    capacity: int     # the most keys one sequence can have: S_max, or max_pages * page_size
+    page_size: int    # 0 for a contiguous cache
+    num_pages: int    # 0 for a contiguous cache
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+
+
+def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.int32 ({layout})")
+    if t.dim() != rank:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} (rank {t.dim()}); expected rank {rank}: {layout}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} has stride {t.stride()}: its last dimension must be contiguous; "
+                         "call .contiguous() first")
+
+
+def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                        window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, out=None,
+                        head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256)) -> DecodeInputShape:
+    """Validate the decode API's arguments (shapes, dtypes, options); return the sizes.
+
+    Only metadata is read here. The lengths themselves (values of
+    cache_seqlens and block_table) are checked by ``check_decode_lengths``.
+    """
+    import torch
+
+    _check_tensor("q", q, rank=3, layout="[batch, heads_q, head_dim]")
+    cache_layout = ("[batch, S_max, heads_kv, head_dim] (contiguous cache) or "
+                    "[num_pages, page_size, heads_kv, head_dim] with a block_table (paged cache)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, rank=4, layout=cache_layout)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache, v_cache must share one dtype; got q {q.dtype}, k_cache {k_cache.dtype}, "
+                        f"v_cache {v_cache.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} but v_cache has {tuple(v_cache.shape)}; "
+                         "they must match")
+    b, h_q, d = q.shape
+    rows, slots, h_kv, d_k = k_cache.shape
+    if b == 0:
+        raise ValueError("empty batch: q has batch size 0")
+    if d_k != d:
+        raise ValueError(f"q has head_dim {d} but k_cache/v_cache have head_dim {d_k}")
+    if d not in head_dims:
+        raise ValueError(f"head_dim {d} is not supported; supported: {', '.join(map(str, head_dims))}")
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"q has {h_q} heads and the cache has {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)")
+    _check_index_tensor("cache_seqlens", cache_seqlens, rank=1, layout="[batch] int32")
+    if cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens has {cache_seqlens.shape[0]} entries; expected one per sequence ({b})")
+    if block_table is None:
+        if rows != b:
+            raise ValueError(
+                f"k_cache has {rows} rows in dimension 0 but q has batch {b}. A contiguous cache is "
+                "[batch, S_max, heads_kv, head_dim]; for a paged cache [num_pages, page_size, heads_kv, "
+                "head_dim] pass block_table"
+            )
+        capacity, page_size, num_pages = slots, 0, 0
+    else:
+        _check_index_tensor("block_table", block_table, rank=2, layout="[batch, max_pages] int32")
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table has {block_table.shape[0]} rows; expected one per sequence ({b})")
+        if block_table.shape[1] == 0:
+            raise ValueError("block_table has 0 columns: every sequence needs room for at least one page")
+        page_size, num_pages = slots, rows
+        if page_size not in page_sizes:
+            raise ValueError(f"page size {page_size} (k_cache.shape[1] of a paged cache) is not supported; "
+                             f"supported: {', '.join(map(str, page_sizes))}")
+        if num_pages == 0:
+            raise ValueError("the paged cache has 0 pages")
+        capacity = block_table.shape[1] * page_size
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
+    _check_int("window_size_left", window_size_left, minimum=-1)
+    _check_int("num_sink_tokens", num_sink_tokens, minimum=0)
+    _check_int("num_splits", num_splits, minimum=0)
+    if sink_logits is not None:
+        if not isinstance(sink_logits, torch.Tensor):
+            raise TypeError(f"sink_logits must be a torch.Tensor or None; got {type(sink_logits).__name__}")
+        if sink_logits.shape != (h_q,) or sink_logits.dtype != torch.float32 or sink_logits.stride(0) != 1:
+            raise ValueError(
+                f"sink_logits has shape {tuple(sink_logits.shape)} and dtype {sink_logits.dtype}; "
+                f"expected [{h_q}] (one per query head) contiguous float32"
+            )
+    if out is not None:
+        _check_tensor("out", out, rank=3, layout="[batch, heads_q, head_dim]")
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}; expected {tuple(q.shape)} {q.dtype} like q")
+    return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages)
+
+
+def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) -> None:
+    """The values: 0 <= cache_seqlens[b] <= capacity, and every page a sequence uses is in the pool.
+
+    Reads cache_seqlens (and block_table) on the host: one device-to-host copy
+    each when they live on the GPU. A length of 0 is allowed (no visible key:
+    O = 0, LSE = -inf, or the sink logit with sinks).
+    """
+    import torch
+
+    lengths = cache_seqlens.detach().to("cpu", torch.int64)
+    negative = (lengths < 0).nonzero()
+    if len(negative):
+        b = int(negative[0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is negative; lengths must be >= 0")
+    too_long = (lengths > shape.capacity).nonzero()
+    if len(too_long):
+        b = int(too_long[0])
+        where = ("S_max = k_cache.shape[1]" if block_table is None
+                 else "max_pages * page_size = block_table.shape[1] * k_cache.shape[1]")
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is larger than the cache: at most "
+                         f"{shape.capacity} keys ({where})")
+    if block_table is not None:
+        table = block_table.detach().to("cpu", torch.int64)
+        needed = (lengths + shape.page_size - 1) // shape.page_size
+        used = torch.arange(table.shape[1])[None, :] < needed[:, None]
+        bad = (used & ((table < 0) | (table >= shape.num_pages))).nonzero()
+        if len(bad):
+            b, p = (int(i) for i in bad[0])
+            raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache "
+                             f"(0 <= page < {shape.num_pages}), and sequence {b} (length {int(lengths[b])}) uses it")

@@ -110,8 +110,8 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     The first k-block runs with ACCUMULATE off, which zero-initializes acc.
     The caller waits with ``warpgroup.wait_group(0)`` before reading acc.
     """
-    # TODO(stage 1): Issue the WGMMAs: fence, one cute.gemm per k-block (mode 2 of tCrA/tCrB) with ACCUMULATE off for the first, then commit the group.
-    raise NotImplementedError('TODO(stage 1) in warpgroup_gemm(): Issue the WGMMAs: fence, one cute.gemm per k-block (mode 2 of tCrA/tCrB) with ACCUMULATE off for the first, then commit the group. Hints: docs/stages/01-single-tile.md')
+    # TODO(stage 1): Issue the WGMMAs: fence, then one cute.gemm per k-block (mode 2 of tCrA/tCrB) on mma_atom, ACCUMULATE off for the first k-block only, then commit the group.
+    raise NotImplementedError('TODO(stage 1) in warpgroup_gemm(): Issue the WGMMAs: fence, then one cute.gemm per k-block (mode 2 of tCrA/tCrB) on mma_atom, ACCUMULATE off for the first k-block only, then commit the group. Hints: docs/stages/01-single-tile.md')
 # --8<-- [end:gemm]
 
 
@@ -346,6 +346,8 @@ class SingleTileAttention:
 
         thr_pv = pv_mma.get_slice(tidx)
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        sO = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # O is staged where Q was
+        tOsO = thr_pv.partition_C(sO)
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((TILE_M, d)))
         warpgroup_gemm(pv_mma, acc_O, tOrP, tOrV)
         warpgroup.wait_group(0)
@@ -356,17 +358,16 @@ class SingleTileAttention:
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         cute.arch.sync_threads()  # every warpgroup is done reading Q before O overwrites it
-        sO = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        cute.autovec_copy(rO, thr_pv.partition_C(sO))
+        cute.autovec_copy(rO, tOsO)
         # Make the generic-proxy stores visible to the TMA (async proxy) before it reads them.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
         gO = cute.local_tile(mO[None, None, head, batch], (TILE_M, d), (m_block, 0))
-        tOsO, tOgO = cpasync.tma_partition(tma_o, 0, one_cta, cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+        bOsO, bOgO = cpasync.tma_partition(tma_o, 0, one_cta, cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
         if warp_idx == 0:
             with cute.arch.elect_one():  # one thread issues the store and waits for its group
-                cute.copy(tma_o, tOsO, tOgO)
+                cute.copy(tma_o, bOsO, bOgO)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         # --8<-- [end:epilogue]

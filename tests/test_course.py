@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from course import reference, skeleton, stages, validation
+from course import diffs, reference, skeleton, stages, validation
 
 
 def brute_force(q, k, v, *, scale, visible, sink=None):
@@ -76,10 +76,15 @@ def test_reference_empty_rows_are_zero_with_minus_inf_lse():
 
 def test_validation_names_what_is_accepted():
     q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"expected \[2\] \(one per query head\) float32"):
+    with pytest.raises(ValueError, match=r"expected a contiguous \[2\] \(one per query head\) float32 tensor"):
         validation.check_attention_inputs(q, q, q, sink_logits=torch.zeros(3))
     with pytest.raises(ValueError, match="window_size must be a pair"):
         validation.check_attention_inputs(q, q, q, window_size=(-2, 0))
+
+
+def test_docs_diffs_are_current():
+    stale = diffs.out_of_date()
+    assert not stale, f"{stale} are out of date: run `python -m course diffs` after editing solutions/"
 
 
 def test_skeletons_are_generated_from_solutions():
@@ -93,7 +98,7 @@ def test_skeleton_fails_with_its_todo(stage):
     """The untouched skeleton imports, and compiling it stops at the first TODO with its hint."""
     module = stage.load("stages")
     with pytest.raises(NotImplementedError, match=rf"TODO\(stage {stage.number}\) in \w+\(\)"):
-        module.cross_compile_config(*module.KERNEL_CONFIGS[0])
+        module.cross_compile_config(*module.KERNEL_CONFIGS[-1])
 
 
 def test_skeleton_differs_only_in_todo_regions():

@@ -58,7 +58,7 @@ def test_docs_page_shows_the_real_first_todo(stage):
     """The 'expected output while unsolved' on a stage page is what the skeleton really raises."""
     module = stage.load("stages")
     with pytest.raises(NotImplementedError) as raised:
-        module.cross_compile_config(*module.KERNEL_CONFIGS[0])
+        module.cross_compile_config(*module.KERNEL_CONFIGS[-1])
     page = ROOT / "docs" / stage.docs_page
     assert str(raised.value) in page.read_text(), (
         f"{page.relative_to(ROOT)} shows an outdated TODO message; the skeleton now raises:\n{raised.value}"
@@ -88,3 +88,85 @@ def test_notebook_runs_top_to_bottom(path):
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
     client.execute()
+
+
+def test_results_tables_are_generated(tmp_path):
+    """docs/results/results-tables.md is exactly what `python -m course.results` writes from bench.json."""
+    import shutil
+
+    from course import results
+
+    shutil.copy(ROOT / "docs" / "results" / "bench.json", tmp_path / "bench.json")
+    expected = results.render(tmp_path)
+    committed = (ROOT / "docs" / "results" / results.TABLES).read_text()
+    assert committed == expected, (
+        "docs/results/results-tables.md is not what course.results renders from bench.json; "
+        "regenerate it with `python -m course.results` (never edit it by hand)"
+    )
+
+
+def test_results_tables_cover_every_measured_stage():
+    import json
+
+    from course import results
+
+    data = json.loads((ROOT / "docs" / "results" / "bench.json").read_text())
+    text = results.tables(data)
+    for key in ("gpu", "driver", "torch", "nvidia_cutlass_dsl", "date"):
+        assert str(data["environment"][key]) in text, f"the results tables do not show the {key}"
+    for number in {row["stage"] for row in data["rows"]}:
+        assert f"## {results.stage_heading(number)}" in text
+
+
+CUTE_EXAMPLES = ROOT / "docs" / "primers" / "cute_layouts.py"
+
+
+def test_cute_primer_examples_print_what_the_page_shows():
+    """The CuTe primer's examples run on the CPU (trace time only) and print the committed output."""
+    result = subprocess.run([sys.executable, str(CUTE_EXAMPLES)], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, f"{CUTE_EXAMPLES.relative_to(ROOT)} failed:\n{result.stderr[-3000:]}"
+    expected = CUTE_EXAMPLES.with_suffix(".txt").read_text()
+    assert result.stdout == expected, (
+        f"{CUTE_EXAMPLES.relative_to(ROOT)} now prints something else than the page shows; rerun it with\n"
+        f"  python {CUTE_EXAMPLES.relative_to(ROOT)} > {CUTE_EXAMPLES.with_suffix('.txt').relative_to(ROOT)}\n"
+        f"and check the text of docs/primers/cute.md against the new output.\n--- printed ---\n{result.stdout}"
+    )
+
+
+def test_every_stage_page_is_in_the_navigation():
+    """The hook fills the Stages section from docs/stages/*.md, so every page there is reachable."""
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    config.plugins.on_startup(command="build", dirty=False)
+    config = config.plugins.on_config(config)
+    stages_section = next(entry["Stages"] for entry in config.nav if isinstance(entry, dict) and "Stages" in entry)
+    pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs" / "stages").glob("*.md"))
+    assert stages_section == pages
+
+
+def test_troubleshooting_quotes_the_real_input_errors():
+    """The errors quoted on the troubleshooting page are what stage 1 raises today, word for word."""
+    import torch
+
+    module = stages.get(1).load("solutions")
+
+    def t(*shape, dtype=torch.float16):
+        return torch.randn(*shape).to(dtype)
+
+    cases = [
+        lambda: module.attention(t(1, 128, 8, 96), t(1, 128, 8, 96), t(1, 128, 8, 96)),
+        lambda: module.attention(t(1, 128, 8, 64), t(1, 128, 3, 64), t(1, 128, 3, 64)),
+        lambda: module.attention(t(1, 128, 8, 64, dtype=torch.float32), t(1, 128, 8, 64), t(1, 128, 8, 64)),
+        lambda: module.attention(t(1, 64, 8, 128).transpose(2, 3), t(1, 64, 8, 128), t(1, 64, 8, 128)),
+        lambda: module.attention(t(1, 128, 8, 64), t(1, 128, 8, 64), t(1, 128, 8, 64)),
+        lambda: module.attention(t(1, 128, 8, 64), t(1, 128, 8, 64), t(1, 128, 8, 64), causal=True),
+        lambda: module.attention(t(1, 128, 8, 64), t(1, 512, 8, 64), t(1, 512, 8, 64)),
+    ]
+    page = (ROOT / "docs" / "workshop" / "troubleshooting.md").read_text()
+    for case in cases:
+        with pytest.raises((ValueError, TypeError, NotImplementedError)) as raised:
+            case()
+        line = f"{type(raised.value).__name__}: {raised.value}"
+        assert line in page, f"docs/workshop/troubleshooting.md does not quote the current message:\n{line}"

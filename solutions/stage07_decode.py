@@ -1,0 +1,752 @@
+"""Stage 7: decode attention with a split-KV (multi-block) reduction.
+
+Decode is the other half of serving: every sequence of a batch brings ONE new
+query token (per query head), and it attends to the whole KV cache of its
+sequence, which can be 100k tokens long, each sequence with its own length.
+There is almost no arithmetic per byte: every key and value is read once and
+used for a dot product or a multiply-add with a handful of query heads. The
+kernel is bound by memory bandwidth, and the stage is about moving bytes:
+
+1. One CTA takes one (sequence, KV head, split): a slice of that sequence's
+   keys, for ALL the query heads that share the KV head (GQA), so every K/V
+   byte is read from HBM once per group, not once per query head.
+2. Inside the CTA a key belongs to D/8 threads that each load 16 bytes of its
+   K row and 16 bytes of its V row (vectorized loads, several keys in flight
+   per thread); the dot products are finished with warp shuffles, and every
+   group of threads keeps an online softmax (running max, sum, O) per head.
+3. The groups of a CTA are merged through shared memory into the split's
+   partial result: normalized O and its log-sum-exp, written to an fp32
+   workspace in global memory.
+4. Each CTA then arrives on a per-(sequence, KV head) counter with a gpu-scope
+   acquire-release atomic. The CTA that arrives last reads every split's
+   partial, merges them with the LSE math of stage 6 (adding the sink logit
+   exactly once), writes O and LSE, and resets the counter to 0 for the next
+   launch (and for the next replay of a CUDA graph).
+
+Sliding windows and sink tokens change only which keys a sequence sees: the
+visible keys are enumerated directly (the sink tokens, then the window), so a
+window of 4k keys costs 4k keys however long the cache is. Contiguous caches
+[B, S_max, H_kv, D] and paged caches [num_pages, page_size, H_kv, D] with a
+block table share one kernel; the page size is a compile-time constant.
+
+Run it:
+    python -m course check 7 --impl solutions   # this stage's tests
+    python solutions/stage07_decode.py          # one launch against the reference (needs a Hopper GPU)
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.memory import SmemAllocator
+
+from course import launch, validation
+from course.bench import DecodeShape
+from course.compile import cross_compile, symbolic_tensor
+
+STAGE = 7
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (16, 32, 64, 128, 256)
+HEADS_PER_CTA = (1, 2, 4, 8)  # query heads one CTA computes (compile-time); larger groups use several CTAs
+NUM_THREADS = 128  # 4 warps per CTA
+VEC = 8  # elements per thread per key: 8 x 16 bits = one 16-byte load
+# Keys each key group loads per loop iteration (UNROLL K rows + UNROLL V rows of 16 bytes per
+# thread in flight), by heads per CTA: the more heads, the more registers per key.
+UNROLL = {1: 8, 2: 4, 4: 4, 8: 2}
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+MIN_KEYS_PER_SPLIT = 256  # the auto split count never gives a split fewer keys than this
+REGISTERS_PER_THREAD = {1: 72, 2: 128, 4: 168, 8: 224}  # most ptxas needs (sm_90a, any config), by heads per CTA
+
+
+def threads_per_key(head_dim: int) -> int:
+    """A key's D elements are spread over D/8 threads, 16 bytes each (8, 16 or 32 threads)."""
+    return head_dim // VEC
+
+
+def unroll(heads: int) -> int:
+    """Keys each key group loads per loop iteration (4 at 4 heads per CTA)."""
+    return UNROLL[heads]
+
+
+def keys_per_iteration(head_dim: int, heads: int = 4) -> int:
+    """Keys one CTA loads per loop iteration: (128 / threads_per_key) key groups x unroll(heads) keys each."""
+    return NUM_THREADS // threads_per_key(head_dim) * unroll(heads)
+
+
+def heads_per_cta(group_size: int) -> int:
+    """The compiled head count for a GQA group: the smallest of 1, 2, 4, 8 that holds it (8 at most)."""
+    return next((h for h in HEADS_PER_CTA if h >= group_size), HEADS_PER_CTA[-1])
+
+
+# --8<-- [start:split_ranges]
+def split_range(num_visible: int, num_splits: int, split: int, head_dim: int, heads: int = 4) -> tuple[int, int]:
+    """[begin, end) of the visible keys (in enumeration order) that ``split`` reads.
+
+    The visible keys are cut into ``num_splits`` equal chunks, each rounded up
+    to whole loop iterations of the kernel; splits past the end get an empty
+    range. The kernel computes exactly this (``visible_key_range`` and the
+    split arithmetic in ``kernel``); the PyTorch model below uses it too.
+    """
+    step = keys_per_iteration(head_dim, heads)
+    chunk = -(-num_visible // num_splits)
+    chunk = -(-chunk // step) * step
+    begin = min(split * chunk, num_visible)
+    return begin, min(begin + chunk, num_visible)
+# --8<-- [end:split_ranges]
+
+
+def visible_keys_of(seqlen: int, window_size_left: int, num_sink_tokens: int) -> list[int]:
+    """The keys a query at position seqlen - 1 sees, in the order the kernel enumerates them."""
+    lo = max(0, seqlen - 1 - window_size_left) if window_size_left >= 0 else 0
+    return list(range(min(num_sink_tokens, lo))) + list(range(lo, seqlen))
+
+
+# --8<-- [start:key_range]
+@cute.jit
+def visible_key_range(seqlen: Int32, window_left: Int32, num_sink_tokens: Int32):
+    """(window start, sink keys before it, number of visible keys) for one sequence.
+
+    The query sits at position seqlen - 1 and sees keys [lo, seqlen), where lo
+    is 0 without a window; keys j < num_sink_tokens stay visible below lo. The
+    visible keys are enumerated as v = 0, 1, ...: first the n_sink sink keys,
+    then the window, so key(v) = v for v < n_sink and v - n_sink + lo after.
+    Keys outside the window are never touched, not even as masked loads.
+    """
+    lo = Int32(0)
+    if window_left >= 0:
+        lo = cutlass.max(seqlen - 1 - window_left, Int32(0))
+    n_sink = cutlass.min(num_sink_tokens, lo)
+    return lo, n_sink, n_sink + seqlen - lo
+# --8<-- [end:key_range]
+
+
+# --8<-- [start:softmax]
+@cute.jit
+def online_softmax_update(scores: cute.Tensor, rV: cute.Tensor, row_max: cute.Tensor,
+                          row_sum: cute.Tensor, acc: cute.Tensor):
+    """Fold UNROLL new keys into one key group's running softmax, for every query head.
+
+    ``scores[h, u]``: the score of key u for head h, already multiplied by
+    softmax_scale * log2(e) (so exp2 gives the softmax numerator); -inf for a
+    key past the end of the split. ``rV[u, i]``: this thread's 8 elements of
+    key u's V row (fp16/bf16). ``row_max[h]``, ``row_sum[h]``: the running max
+    (log2 units) and sum; ``acc[h, i]``: the running unnormalized O of this
+    thread's 8 columns. All threads of a key group hold the same scores, max
+    and sum; each holds its own 8 columns of O.
+    """
+    num_heads, unroll = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
+    # [exercise 7] For each head h: new max m = max(row_max[h], scores[h, :]); use 0 instead of m while it is -inf; rescale row_sum[h] and acc[h, :] by exp2(row_max[h] - m); add p_u = exp2(scores[h, u] - m) to row_sum[h] and p_u * rV[u, :] to acc[h, :]; store m.
+    for h in cutlass.range_constexpr(num_heads):
+        new_max = row_max[h]
+        for u in cutlass.range_constexpr(unroll):
+            new_max = cute.arch.fmax(new_max, scores[h, u])
+        # While a group has seen no key its max is -inf: subtract 0 instead, so
+        # exp2(-inf - (-inf)) = NaN never happens (every term below is then 0).
+        safe_max = Float32(cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max))
+        correction = cute.math.exp2(row_max[h] - safe_max, fastmath=True)
+        row_sum[h] = row_sum[h] * correction
+        for i in cutlass.range_constexpr(VEC):
+            acc[h, i] = acc[h, i] * correction
+        for u in cutlass.range_constexpr(unroll):
+            p = cute.math.exp2(scores[h, u] - safe_max, fastmath=True)
+            row_sum[h] = row_sum[h] + p
+            for i in cutlass.range_constexpr(VEC):
+                acc[h, i] = acc[h, i] + p * rV[u, i].to(Float32)
+        row_max[h] = new_max
+    # [/exercise]
+# --8<-- [end:softmax]
+
+
+# --8<-- [start:partial]
+@cute.jit
+def split_partial(maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor, h: Int32, d: Int32):
+    """Merge the thread groups' states for (head h, column d) into the split's (O[h, d], LSE[h]).
+
+    ``maxes[g, h]``, ``sums[g, h]``, ``accs[g, h, d]`` hold group g's running
+    max (log2 units), sum and unnormalized O. Returns O normalized by the
+    split's own sum and the split's LSE in log2 units (-inf and O = 0 when the
+    split saw no key).
+    """
+    num_groups = cute.size(maxes, mode=[0])
+    # [exercise 7] The split's statistics: M = max over groups of maxes[g, h] (0 if -inf); w_g = exp2(maxes[g, h] - M); L = sum w_g * sums[g, h]; O = sum w_g * accs[g, h, d]. Return (O / L, M + log2(L)), and (0, -inf) when L == 0.
+    big = -Float32.inf
+    for g in cutlass.range_constexpr(num_groups):
+        big = cute.arch.fmax(big, maxes[g, h])
+    big = Float32(cutlass.select_(big == -Float32.inf, Float32(0.0), big))
+    total = Float32(0.0)
+    o = Float32(0.0)
+    for g in cutlass.range_constexpr(num_groups):
+        w = cute.math.exp2(maxes[g, h] - big, fastmath=True)
+        total = total + w * sums[g, h]
+        o = o + w * accs[g, h, d]
+    empty = total == Float32(0.0)
+    o = Float32(cutlass.select_(empty, Float32(0.0), o / total))
+    lse = Float32(cutlass.select_(empty, -Float32.inf, big + cute.math.log2(total, fastmath=True)))
+    # [/exercise]
+    return o, lse
+# --8<-- [end:partial]
+
+
+# --8<-- [start:arrive]
+@cute.jit
+def arrive_and_elect_last(counter: cute.Pointer, num_splits: Int32, s_flag: cute.Tensor) -> Int32:
+    """Count this CTA's split as done; return 1 in every thread of the CTA that finished last.
+
+    Call it after every thread has stored its part of the split's partial.
+    The partials of all splits must be visible to the last CTA before it reads
+    them: the barrier gathers this CTA's stores into thread 0, thread 0
+    publishes them at gpu scope (fence + release) with the atomic, and the
+    atomic of the last arriver also acquires every earlier CTA's release.
+    """
+    tidx, _, _ = cute.arch.thread_idx()
+    cute.arch.sync_threads()  # every thread's partial stores happen before thread 0's release
+    if tidx == 0:
+        # [exercise 7] Thread 0: a gpu-scope fence, then the atomic add of 1 on the counter (acq_rel, gpu scope); it returns the count before; store 1 in s_flag[0] if this CTA is the last (old count == num_splits - 1), else 0.
+        cute.arch.fence_acq_rel_gpu()
+        arrived_before = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        is_last = arrived_before == num_splits - 1
+        s_flag[0] = Int32(cutlass.select_(is_last, Int32(1), Int32(0)))
+        # [/exercise]
+        if s_flag[0] == 1:
+            # [exercise 7] The last CTA resets the counter to 0 (a relaxed gpu-scope store), so the next launch and every CUDA graph replay start from zero.
+            cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
+            # [/exercise]
+    cute.arch.sync_threads()  # the flag is in shared memory for everybody
+    return s_flag[0]
+# --8<-- [end:arrive]
+
+
+@cute.jit
+def load_strong(t: cute.Tensor, coord) -> Float32:
+    """A gpu-scope relaxed load: reads L2, never a stale line of this SM's L1 cache."""
+    ptr = t.iterator + cute.crd2idx(coord, t.layout)
+    return cute.arch.load(ptr, Float32, sem="relaxed", scope="gpu")
+
+
+# --8<-- [start:combine_stats]
+@cute.jit
+def combine_statistics(m_part_lse: cute.Tensor, batch: Int32, head: Int32, num_splits: Int32,
+                       sink_log2: Float32, has_sink: cutlass.Constexpr):
+    """One warp merges the split LSEs of one query head: returns (M, 1 / total, final LSE in log2 units).
+
+    The merged result is O = sum_s w_s O_s / total with w_s = exp2(lse_s - M)
+    and total = sum_s w_s (+ exp2(sink - M) with a sink logit, which enters the
+    denominator here and only here). M is the largest LSE (and sink), or 0
+    when everything is -inf; an all-empty row gives 1/total = 0, so O = 0, and
+    LSE = -inf (or the sink).
+    """
+    lane = cute.arch.lane_idx()
+    # [exercise 7] The combine: each lane takes splits lane, lane+32, ...; M = warp max of the split LSEs (and of sink_log2 when has_sink), 0 if -inf; total = warp sum of exp2(lse_s - M) (+ exp2(sink_log2 - M) once); return (M, 1/total or 0 when total == 0, M + log2(total) or -inf).
+    big = -Float32.inf
+    for s in cutlass.range(lane, num_splits, 32):
+        big = cute.arch.fmax(big, load_strong(m_part_lse, (batch, head, s)))
+    big = cute.arch.warp_reduction_max(big)
+    if cutlass.const_expr(has_sink):
+        big = cute.arch.fmax(big, sink_log2)
+    big = Float32(cutlass.select_(big == -Float32.inf, Float32(0.0), big))
+    total = Float32(0.0)
+    for s in cutlass.range(lane, num_splits, 32):
+        total = total + cute.math.exp2(load_strong(m_part_lse, (batch, head, s)) - big, fastmath=True)
+    total = cute.arch.warp_reduction_sum(total)
+    if cutlass.const_expr(has_sink):
+        total = total + cute.math.exp2(sink_log2 - big, fastmath=True)
+    empty = total == Float32(0.0)
+    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / total))
+    lse = Float32(cutlass.select_(empty, -Float32.inf, big + cute.math.log2(total, fastmath=True)))
+    # [/exercise]
+    return big, inv_total, lse
+# --8<-- [end:combine_stats]
+
+
+class SplitKVDecode:
+    """Grid (num_splits, H_kv x head chunks, B); one CTA = one split of one KV head's keys, all its query heads."""
+
+    num_threads = NUM_THREADS
+
+    def __init__(self, dtype, head_dim: int, heads_per_cta: int, page_size: int = 0,
+                 has_sink: bool = False, write_lse: bool = False):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.heads = heads_per_cta
+        self.page_size = page_size  # 0: contiguous cache
+        self.has_sink = has_sink
+        self.write_lse = write_lse
+        self.tpk = threads_per_key(head_dim)
+        self.groups = NUM_THREADS // self.tpk
+        self.unroll = unroll(heads_per_cta)
+        self.keys_per_iter = keys_per_iteration(head_dim, heads_per_cta)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,           # [B, H_q, D]
+        mK: cute.Tensor,           # [B, S_max, H_kv, D] or [pages, page_size, H_kv, D]
+        mV: cute.Tensor,
+        mSeqlens: cute.Tensor,     # [B] int32
+        mBlockTable: cute.Tensor,  # [B, max_pages] int32 (unused for a contiguous cache)
+        mSink: cute.Tensor,        # [H_q] float32 (unused without sinks)
+        mO: cute.Tensor,           # [B, H_q, D]
+        mLSE: cute.Tensor,         # [B, H_q] float32 (unused without return_lse)
+        mPartO: cute.Tensor,       # [B, H_q, num_splits, D] float32 workspace
+        mPartLSE: cute.Tensor,     # [B, H_q, num_splits] float32 workspace
+        mCounters: cute.Tensor,    # [>= B * H_kv * chunks] int32, zero between launches
+        scale_log2: Float32,
+        window_left: Int32,
+        num_sink_tokens: Int32,
+        stream,
+    ):
+        # --8<-- [start:smem]
+        @cute.struct
+        class SharedStorage:
+            maxes: cute.struct.MemRange[Float32, self.groups * self.heads]
+            sums: cute.struct.MemRange[Float32, self.groups * self.heads]
+            accs: cute.struct.Align[cute.struct.MemRange[Float32, self.groups * self.heads * self.head_dim], 16]
+            stats: cute.struct.MemRange[Float32, 2 * self.heads]
+            flag: cute.struct.MemRange[Int32, 1]
+
+        self.shared_storage = SharedStorage
+        # --8<-- [end:smem]
+
+        # --8<-- [start:grid]
+        batch, heads_q, heads_kv = mQ.shape[0], mQ.shape[1], mK.shape[2]
+        chunks = (heads_q // heads_kv + self.heads - 1) // self.heads
+        num_splits = mPartLSE.shape[2]
+        grid = (num_splits, heads_kv * chunks, batch)
+        # --8<-- [end:grid]
+        self.kernel(
+            mQ, mK, mV, mSeqlens, mBlockTable, mSink, mO, mLSE, mPartO, mPartLSE, mCounters,
+            scale_log2, window_left, num_sink_tokens,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    # --8<-- [start:key_row]
+    @cute.jit
+    def key_row(self, mKV: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, key: Int32,
+                head_kv: Int32, lane: Int32) -> cute.Tensor:
+        """This thread's 8 elements of row ``key`` of the K (or V) cache of (batch, head_kv)."""
+        if cutlass.const_expr(self.page_size == 0):
+            row = mKV[batch, key, head_kv, None]
+        else:  # paged: the block table maps the sequence's page to a page of the pool
+            page = mBlockTable[batch, key // self.page_size]
+            row = mKV[page, key % self.page_size, head_kv, None]
+        return cute.local_tile(row, (VEC,), (lane,))
+    # --8<-- [end:key_row]
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mSink: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLSE: cute.Tensor,
+        mCounters: cute.Tensor,
+        scale_log2: Float32,
+        window_left: Int32,
+        num_sink_tokens: Int32,
+    ):
+        heads, d, tpk, groups = self.heads, self.head_dim, self.tpk, self.groups
+        tidx, _, _ = cute.arch.thread_idx()
+        split, kv_chunk, batch = cute.arch.block_idx()
+        num_splits, kv_ctas, _ = cute.arch.grid_dim()
+
+        # --8<-- [start:heads]
+        # GQA: the CTA's query heads are `heads` consecutive heads of one KV head's group.
+        group_size = mQ.shape[1] // mK.shape[2]
+        chunks = (group_size + heads - 1) // heads
+        head_kv = kv_chunk // chunks
+        first_head = head_kv * group_size + (kv_chunk % chunks) * heads
+        heads_here = cutlass.min(group_size - (kv_chunk % chunks) * heads, Int32(heads))
+        # --8<-- [end:heads]
+
+        # --8<-- [start:threads]
+        # A key is read by `tpk` = D/8 consecutive threads (a "key group"), 16 bytes each.
+        lane = tidx % tpk          # which 8 columns of the row
+        key_group = tidx // tpk    # which key of each `groups`-wide step
+        # --8<-- [end:threads]
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        s_max = storage.maxes.get_tensor(cute.make_layout((groups, heads), stride=(heads, 1)))
+        s_sum = storage.sums.get_tensor(cute.make_layout((groups, heads), stride=(heads, 1)))
+        s_acc = storage.accs.get_tensor(cute.make_layout((groups, heads, d), stride=(heads * d, d, 1)))
+        s_stats = storage.stats.get_tensor(cute.make_layout((heads, 2), stride=(2, 1)))
+        s_flag = storage.flag.get_tensor(cute.make_layout(1))
+
+        # --8<-- [start:query]
+        # This thread's 8 query columns for each head, in fp32, pre-multiplied by
+        # softmax_scale * log2(e): a dot product is then a score in exp2 units.
+        r_q = cute.make_rmem_tensor(cute.make_ordered_layout((heads, VEC), order=(1, 0)), Float32)
+        r_q_in = cute.make_rmem_tensor((VEC,), self.dtype)
+        for h in cutlass.range_constexpr(heads):
+            head = first_head + cutlass.min(Int32(h), heads_here - 1)  # spare slots repeat a real head
+            cute.autovec_copy(cute.local_tile(mQ[batch, head, None], (VEC,), (lane,)), r_q_in)
+            for i in cutlass.range_constexpr(VEC):
+                r_q[h, i] = r_q_in[i].to(Float32) * scale_log2
+        # --8<-- [end:query]
+
+        # --8<-- [start:split]
+        # The split's slice [v_begin, v_end) of the sequence's visible keys.
+        if cutlass.const_expr(self.page_size == 0):
+            capacity = mK.shape[1]
+        else:
+            capacity = mBlockTable.shape[1] * self.page_size
+        seqlen = cutlass.min(mSeqlens[batch], capacity)
+        lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
+        step = self.keys_per_iter
+        chunk = (num_visible + num_splits - 1) // num_splits
+        chunk = (chunk + step - 1) // step * step
+        v_begin = cutlass.min(split * chunk, num_visible)
+        v_end = cutlass.min(v_begin + chunk, num_visible)
+        num_iters = (v_end - v_begin + step - 1) // step
+        # --8<-- [end:split]
+
+        # --8<-- [start:main_loop]
+        row_max = cute.make_rmem_tensor((heads,), Float32)
+        row_sum = cute.make_rmem_tensor((heads,), Float32)
+        acc = cute.make_rmem_tensor(cute.make_ordered_layout((heads, VEC), order=(1, 0)), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        acc.fill(0.0)
+        # Row u of r_k / r_v: this thread's 16 bytes of key u (row-major, so one 16-byte load fills it).
+        r_k = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
+        r_v = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
+        scores = cute.make_rmem_tensor((heads, self.unroll), Float32)
+        for it in cutlass.range(num_iters, unroll=1):
+            first = v_begin + it * step + key_group
+            # Issue all 2 x unroll 16-byte loads before using any: they are in flight together.
+            for u in cutlass.range_constexpr(self.unroll):
+                # Past the split's end, re-read its last key (always a valid, finite row); its score is masked below.
+                v = cutlass.min(first + u * groups, v_end - 1)
+                key = Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
+                cute.autovec_copy(self.key_row(mK, mBlockTable, batch, key, head_kv, lane), r_k[u, None])
+                cute.autovec_copy(self.key_row(mV, mBlockTable, batch, key, head_kv, lane), r_v[u, None])
+            for u in cutlass.range_constexpr(self.unroll):
+                valid = first + u * groups < v_end
+                for h in cutlass.range_constexpr(heads):
+                    dot = Float32(0.0)
+                    for i in cutlass.range_constexpr(VEC):
+                        dot = dot + r_q[h, i] * r_k[u, i].to(Float32)
+                    # Each thread of the key group holds the sum of its 8 products: a
+                    # butterfly over the group leaves the full dot product in all of them.
+                    dot = cute.arch.warp_reduction_sum(dot, threads_in_group=tpk)
+                    scores[h, u] = Float32(cutlass.select_(valid, dot, -Float32.inf))
+            online_softmax_update(scores, r_v, row_max, row_sum, acc)
+        # --8<-- [end:main_loop]
+
+        # --8<-- [start:merge_groups]
+        # Every key group's (max, sum, O columns) into shared memory, then one
+        # (O, LSE) for the split, written to the fp32 workspace.
+        for h in cutlass.range_constexpr(heads):
+            if lane == 0:
+                s_max[key_group, h] = row_max[h]
+                s_sum[key_group, h] = row_sum[h]
+            for i in cutlass.range_constexpr(VEC):
+                s_acc[key_group, h, lane * VEC + i] = acc[h, i]
+        cute.arch.sync_threads()
+        for k in cutlass.range_constexpr((heads * d + NUM_THREADS - 1) // NUM_THREADS):
+            e = tidx + k * NUM_THREADS
+            h, col = e // d, e % d
+            if e < heads * d and h < heads_here:
+                o, lse = split_partial(s_max, s_sum, s_acc, h, col)
+                mPartO[batch, first_head + h, split, col] = o
+                if col == 0:
+                    mPartLSE[batch, first_head + h, split] = lse
+        # --8<-- [end:merge_groups]
+
+        # --8<-- [start:last_block]
+        counter = mCounters.iterator + (batch * kv_ctas + kv_chunk)
+        if arrive_and_elect_last(counter, num_splits, s_flag) == 1:
+            # This CTA finished last: every split's partial is in the workspace.
+            warp = tidx // 32
+            for k in cutlass.range_constexpr((heads + NUM_THREADS // 32 - 1) // (NUM_THREADS // 32)):
+                h = warp + k * (NUM_THREADS // 32)
+                if h < heads_here:
+                    sink_log2 = Float32(0.0)
+                    if cutlass.const_expr(self.has_sink):
+                        sink_log2 = mSink[first_head + h] * LOG2_E
+                    big, inv_total, lse = combine_statistics(
+                        mPartLSE, batch, first_head + h, num_splits, sink_log2, self.has_sink)
+                    if cute.arch.lane_idx() == 0:
+                        s_stats[h, 0] = big
+                        s_stats[h, 1] = inv_total
+                        if cutlass.const_expr(self.write_lse):
+                            mLSE[batch, first_head + h] = lse * LN_2  # natural log, as the API returns it
+            cute.arch.sync_threads()
+            # O[h, col] = sum over splits of w_s * O_s[h, col], w_s = exp2(lse_s - M) / total.
+            # The split loop is outside and unrolled, so each thread keeps several
+            # independent loads in flight instead of one L2 round trip after another.
+            per_thread = (heads * d + NUM_THREADS - 1) // NUM_THREADS
+            o = cute.make_rmem_tensor((per_thread,), Float32)
+            o.fill(0.0)
+            for s in cutlass.range(num_splits, unroll=max(1, 8 // per_thread)):  # about 8 loads in flight
+                for k in cutlass.range_constexpr(per_thread):
+                    e = tidx + k * NUM_THREADS
+                    h = cutlass.min(e // d, heads_here - 1)  # spare slots recompute a real head, never stored
+                    w = cute.math.exp2(load_strong(mPartLSE, (batch, first_head + h, s)) - s_stats[h, 0],
+                                       fastmath=True)
+                    o[k] = o[k] + w * load_strong(mPartO, (batch, first_head + h, s, e % d))
+            for k in cutlass.range_constexpr(per_thread):
+                e = tidx + k * NUM_THREADS
+                h = e // d
+                if e < heads * d and h < heads_here:
+                    mO[batch, first_head + h, e % d] = (o[k] * s_stats[h, 1]).to(self.dtype)
+        # --8<-- [end:last_block]
+
+
+# --8<-- [start:configs]
+# One compiled kernel per (dtype, head_dim, cache layout, heads per CTA, sinks, LSE output);
+# batch, lengths, head counts, page count and split count are runtime values.
+def fake_decode_tensors(torch_dtype, head_dim: int, page_size: int):
+    import torch
+
+    from cutlass.cute.runtime import make_fake_tensor
+
+    symbols: dict = {}
+
+    def small(dtype, shape):  # int32/fp32 tensors with a contiguous last mode and any row stride
+        extents = tuple(symbols.setdefault(e, cute.sym_int(symbol=e)) if isinstance(e, str) else e for e in shape)
+        stride = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
+        return make_fake_tensor(dtype, extents, stride, assumed_align=4)
+
+    q = symbolic_tensor(torch_dtype, ("B", "H_q", head_dim), symbols=symbols)
+    rows = ("B_kv", "S_max") if page_size == 0 else ("pages", page_size)
+    k = symbolic_tensor(torch_dtype, (*rows, "H_kv", head_dim), symbols=symbols)
+    v = symbolic_tensor(torch_dtype, (*rows, "H_kv", head_dim), symbols=symbols)
+    o = symbolic_tensor(torch_dtype, ("B", "H_q", head_dim), symbols=symbols)
+    part_o = symbolic_tensor(torch.float32, ("B", "H_q", "splits", head_dim), symbols=symbols)
+    seqlens = small(cutlass.Int32, ("B",))
+    block_table = small(cutlass.Int32, ("B_table", "max_pages"))
+    sink = small(cutlass.Float32, ("H_sink",))
+    lse = small(cutlass.Float32, ("B_lse", "H_lse"))
+    part_lse = small(cutlass.Float32, ("B", "H_q", "splits"))
+    counters = small(cutlass.Int32, ("counters",))
+    return q, k, v, seqlens, block_table, sink, o, lse, part_o, part_lse, counters
+
+
+def kernel_and_args(torch_dtype, head_dim: int, page_size: int = 0, heads: int = 4,
+                    has_sink: bool = False, write_lse: bool = False):
+    """The kernel and the symbolic arguments it is compiled with (for every batch, length and head count)."""
+    tensors = fake_decode_tensors(torch_dtype, head_dim, page_size)
+    kernel = SplitKVDecode(launch.cute_dtype(torch_dtype), head_dim, heads, page_size, has_sink, write_lse)
+    return kernel, (*tensors, Float32(1.0), Int32(-1), Int32(0))
+
+
+KERNEL_CONFIGS = [(dtype, d, page) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS
+                  for page in (0, *PAGE_SIZES)]
+
+
+def cross_compile_config(dtype: str, head_dim: int, page_size: int = 0, heads: int = 4,
+                         has_sink: bool = False, write_lse: bool = False, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    import torch
+
+    kernel, args = kernel_and_args(getattr(torch, dtype), head_dim, page_size, heads, has_sink, write_lse)
+    name = (f"stage07_{dtype}_d{head_dim}_{'paged' + str(page_size) if page_size else 'contiguous'}"
+            f"_h{heads}{'_sink' if has_sink else ''}{'_lse' if write_lse else ''}")
+    return cross_compile(kernel, *args, name=name, keep=keep)
+# --8<-- [end:configs]
+
+
+BENCH_SHAPES = [DecodeShape(b, length, paged=paged) for paged in (False, True)
+                for b in (1, 8, 64) for length in (4096, 32768, 131072)]
+
+
+# --8<-- [start:num_splits]
+def ctas_per_sm(heads: int) -> int:
+    """CTAs of this kernel that fit on one SM at once: 64K registers / (registers per thread x 128).
+
+    The register counts are what ptxas reports for the sm_90a build (the
+    cross-compile tests print them); more heads per CTA, more registers.
+    """
+    registers = REGISTERS_PER_THREAD[heads]
+    return max(1, min(16, 65536 // (registers * NUM_THREADS)))
+
+
+def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads: int = 4) -> int:
+    """How many CTAs share one sequence's keys when the caller passes num_splits=0.
+
+    ``kv_ctas``: CTAs per sequence without splitting (KV heads x head chunks).
+    ``max_keys``: the most keys a sequence can see, from the cache capacity
+    clipped by the window; it is known on the host without reading the
+    lengths, so there is no synchronization and the choice is CUDA-graph safe.
+
+    Short sequences get 1 split, and no split gets fewer than
+    MIN_KEYS_PER_SPLIT keys. Few long sequences: as many splits as fill one
+    wave of resident CTAs (every SM busy, all CTAs finishing together). A batch
+    that already has a wave's worth of CTAs: the split count (at most 4) whose
+    last wave is fullest, so that few SMs idle at the end.
+    """
+    base = batch * kv_ctas
+    resident = num_sms * ctas_per_sm(heads)
+    most = max(1, -(-max_keys // MIN_KEYS_PER_SPLIT))
+    if base < resident:
+        return max(1, min(most, resident // base))
+
+    def wave_efficiency(splits):
+        waves = base * splits / resident
+        return waves / math.ceil(waves)
+
+    return max(range(1, min(most, 4) + 1), key=lambda splits: (wave_efficiency(splits), -splits))
+# --8<-- [end:num_splits]
+
+
+_COUNTERS: dict = {}
+_DUMMIES: dict = {}
+
+
+def counters_for(device, count: int):
+    """Arrival counters for ``count`` (sequence, KV head chunk) pairs, zeroed once and then kept.
+
+    Every launch leaves them at 0 (the last CTA of each pair resets its
+    counter), so they are allocated once per device and stream and reused by
+    every later call, eagerly or inside a CUDA graph. Launches on different
+    streams get different counters: they may run at the same time.
+    """
+    import torch
+
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
+def _dummy(device, dtype):
+    import torch
+
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.zeros(1, 1, dtype=dtype, device=device)
+    return _DUMMIES[key]
+
+
+# --8<-- [start:api]
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                     window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
+                     return_lse=False, out=None, check_lengths=True):
+    """One query token per sequence against its KV cache (see COURSE.md for the contract).
+
+    q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
+    page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
+    [B] int32. Returns o [B, H_q, D] (and lse [B, H_q] float32 with
+    return_lse). ``out`` (optional) receives O. ``check_lengths`` reads
+    cache_seqlens (and the block table) on the host to reject lengths beyond
+    the cache: one device-to-host copy, skipped inside CUDA graph capture.
+    """
+    import torch
+
+    shape = validation.check_decode_inputs(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+        window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+        num_splits=num_splits, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
+    )
+    if check_lengths and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        validation.check_decode_lengths(cache_seqlens, block_table, shape)
+    validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                            block_table=block_table, sink_logits=sink_logits, out=out)
+    device = q.device
+    heads = heads_per_cta(shape.heads_q // shape.heads_kv)
+    kv_ctas = shape.heads_kv * -(-(shape.heads_q // shape.heads_kv) // heads)
+    if num_splits == 0:
+        max_keys = shape.capacity if window_size_left < 0 else min(
+            shape.capacity, window_size_left + 1 + num_sink_tokens)
+        num_splits = pick_num_splits(shape.batch, kv_ctas, max_keys,
+                                     torch.cuda.get_device_properties(device).multi_processor_count, heads)
+    if out is None:
+        out = q.new_empty(q.shape)
+    lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None
+    part_o = torch.empty(shape.batch, shape.heads_q, num_splits, shape.head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(shape.batch, shape.heads_q, num_splits, dtype=torch.float32, device=device)
+    counters = counters_for(device, shape.batch * kv_ctas)
+    page_size = shape.page_size if block_table is not None else 0
+    has_sink = sink_logits is not None
+    key = ("stage07", q.dtype, shape.head_dim, page_size, heads, has_sink, return_lse)
+    kernel = launch.compiled(key, lambda: kernel_and_args(q.dtype, shape.head_dim, page_size, heads,
+                                                          has_sink, return_lse))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
+    kernel(q, k_cache, v_cache, cache_seqlens,
+           block_table if block_table is not None else _dummy(device, torch.int32),
+           sink_logits if has_sink else _dummy(device, torch.float32).view(1),
+           out, lse if return_lse else _dummy(device, torch.float32),
+           part_o, part_lse, counters, scale * LOG2_E, window_size_left, num_sink_tokens)
+    return (out, lse) if return_lse else out
+# --8<-- [end:api]
+
+
+# --8<-- [start:model]
+def split_kv_model(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                   window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=1):
+    """The kernel's algorithm in PyTorch (float64, CPU-friendly): splits, partials, last-block combine.
+
+    Same enumeration of visible keys, same split ranges (``split_range``),
+    same per-split partial (O normalized by the split's sum, LSE in log2
+    units, -inf for an empty split) and the same combine with the sink added
+    once. Returns (o [B, H_q, D], lse [B, H_q] natural log).
+    """
+    import torch
+
+    b, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    scale = (softmax_scale if softmax_scale is not None else d ** -0.5) * LOG2_E
+    o = torch.zeros(b, h_q, d, dtype=torch.float64)
+    lse_out = torch.full((b, h_q), -math.inf, dtype=torch.float64)
+    for bi in range(b):
+        keys = visible_keys_of(int(cache_seqlens[bi]), window_size_left, num_sink_tokens)
+        if block_table is not None:
+            page_size = k_cache.shape[1]
+            pages = [int(block_table[bi, j // page_size]) for j in keys]
+            k_rows = torch.stack([k_cache[p, j % page_size] for p, j in zip(pages, keys)]) if keys else None
+            v_rows = torch.stack([v_cache[p, j % page_size] for p, j in zip(pages, keys)]) if keys else None
+        else:
+            k_rows = k_cache[bi, keys] if keys else None
+            v_rows = v_cache[bi, keys] if keys else None
+        for h in range(h_q):
+            parts = []
+            for split in range(num_splits):
+                begin, end = split_range(len(keys), num_splits, split, d, heads_per_cta(group))
+                if begin == end:
+                    parts.append((torch.zeros(d, dtype=torch.float64), -math.inf))
+                    continue
+                kk = k_rows[begin:end, h // group].double()
+                vv = v_rows[begin:end, h // group].double()
+                s = (kk @ q[bi, h].double()) * scale          # log2 units
+                m = s.max()
+                p = torch.exp2(s - m)
+                parts.append(((p @ vv) / p.sum(), float(m + torch.log2(p.sum()))))
+            lses = torch.tensor([lse for _, lse in parts], dtype=torch.float64)
+            big = lses.max()
+            if sink_logits is not None:
+                sink = float(sink_logits[h]) * LOG2_E
+                big = max(big, torch.tensor(sink, dtype=torch.float64))
+            big = big if torch.isfinite(big) else torch.tensor(0.0, dtype=torch.float64)
+            w = torch.exp2(lses - big)
+            total = w.sum() + (math.pow(2.0, sink - float(big)) if sink_logits is not None else 0.0)
+            if total > 0:
+                o[bi, h] = sum(wi * oi for wi, (oi, _) in zip(w, parts)) / total
+                lse_out[bi, h] = (float(big) + math.log2(float(total))) * LN_2
+    return o, lse_out
+# --8<-- [end:model]
+
+
+if __name__ == "__main__":
+    import torch
+
+    from course import testing
+
+    if not torch.cuda.is_available():
+        raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
+    inputs = testing.random_decode_inputs([1, 300, 5000, 70000], 32, 8, 128, torch.float16, page_size=64)
+    out = decode_attention(**inputs)
+    torch.cuda.synchronize()
+    print(f"stage 7 output {tuple(out.shape)}: {testing.compare_decode_with_reference(out, **inputs)}")

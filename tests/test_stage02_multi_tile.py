@@ -1,0 +1,24 @@
+"""Stage 2 checks: the shared prefill checks at any S_k, and the two-pass tile model."""
+
+import pytest
+import torch
+
+from course import stages, testing, tile_models
+from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
+
+STAGE = stages.get(2)
+LENGTHS = testing.MULTI_TILE_LENGTHS
+
+
+@pytest.mark.parametrize("s_q, s_k", [(64, 1), (100, 128), (70, 129), (33, 300)])
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
+def test_two_pass_tile_model_matches_reference(s_q, s_k, dtype):
+    q, k, v = testing.random_qkv(1, s_q, s_k, 4, 2, 64, dtype, device="cpu", seed=s_k)
+    testing.assert_attention_matches(tile_models.two_pass(q, k, v), q, k, v, where="two-pass tile model")
+
+
+def test_distinct_tiles_catch_a_pinned_tile_index():
+    """The inputs of test_distinct_kv_tiles expose a loader that always reads KV tile 0."""
+    q, k, v = testing.random_qkv(1, 64, 300, 2, 2, 64, torch.float16, device="cpu", kv_tile_offsets=128)
+    assert testing.compare_with_reference(tile_models.two_pass(q, k, v), q, k, v).ok
+    assert not testing.compare_with_reference(tile_models.two_pass(q, k, v, bug="tile0"), q, k, v).ok
