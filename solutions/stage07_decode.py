@@ -59,7 +59,7 @@ UNROLL = {1: 8, 2: 4, 4: 4, 8: 2}
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 MIN_KEYS_PER_SPLIT = 256  # the auto split count never gives a split fewer keys than this
-REGISTERS_PER_THREAD = {1: 72, 2: 128, 4: 168, 8: 224}  # most ptxas needs (sm_90a, any config), by heads per CTA
+REGISTERS_PER_THREAD = {1: 90, 2: 128, 4: 168, 8: 224}  # most ptxas needs (sm_90a, any config), by heads per CTA
 
 
 def threads_per_key(head_dim: int) -> int:
@@ -399,7 +399,7 @@ class SplitKVDecode:
             capacity = mK.shape[1]
         else:
             capacity = mBlockTable.shape[1] * self.page_size
-        seqlen = cutlass.min(mSeqlens[batch], capacity)
+        seqlen = cutlass.max(cutlass.min(mSeqlens[batch], capacity), Int32(0))  # never outside the cache
         lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
         step = self.keys_per_iter
         chunk = (num_visible + num_splits - 1) // num_splits
@@ -567,7 +567,7 @@ def ctas_per_sm(heads: int) -> int:
     The register counts are what ptxas reports for the sm_90a build (the
     cross-compile tests print them); more heads per CTA, more registers.
     """
-    registers = REGISTERS_PER_THREAD[heads]
+    registers = -(-REGISTERS_PER_THREAD[heads] // 8) * 8  # allocated per warp in blocks of 256 = 8 per thread
     return max(1, min(16, 65536 // (registers * NUM_THREADS)))
 
 
@@ -600,6 +600,7 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
 
 
 _COUNTERS: dict = {}
+_RETIRED: list = []
 _DUMMIES: dict = {}
 
 
@@ -616,6 +617,8 @@ def counters_for(device, count: int):
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED.append(counters)  # a captured CUDA graph may still use it: never free it
         counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters

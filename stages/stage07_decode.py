@@ -53,11 +53,13 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 HEADS_PER_CTA = (1, 2, 4, 8)  # query heads one CTA computes (compile-time); larger groups use several CTAs
 NUM_THREADS = 128  # 4 warps per CTA
 VEC = 8  # elements per thread per key: 8 x 16 bits = one 16-byte load
-UNROLL = 4  # keys per thread group in flight at once (4 K + 4 V loads of 16 bytes per thread)
+# Keys each key group loads per loop iteration (UNROLL K rows + UNROLL V rows of 16 bytes per
+# thread in flight), by heads per CTA: the more heads, the more registers per key.
+UNROLL = {1: 8, 2: 4, 4: 4, 8: 2}
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 MIN_KEYS_PER_SPLIT = 256  # the auto split count never gives a split fewer keys than this
-REGISTERS_PER_THREAD = {1: 72, 2: 128, 4: 168, 8: 255}  # ptxas, sm_90a, by heads per CTA (the most over all configs)
+REGISTERS_PER_THREAD = {1: 90, 2: 128, 4: 168, 8: 224}  # most ptxas needs (sm_90a, any config), by heads per CTA
 
 
 def threads_per_key(head_dim: int) -> int:
@@ -65,9 +67,14 @@ def threads_per_key(head_dim: int) -> int:
     return head_dim // VEC
 
 
-def keys_per_iteration(head_dim: int) -> int:
-    """Keys one CTA loads per loop iteration: (128 / threads_per_key) groups x UNROLL keys each."""
-    return NUM_THREADS // threads_per_key(head_dim) * UNROLL
+def unroll(heads: int) -> int:
+    """Keys each key group loads per loop iteration (4 at 4 heads per CTA)."""
+    return UNROLL[heads]
+
+
+def keys_per_iteration(head_dim: int, heads: int = 4) -> int:
+    """Keys one CTA loads per loop iteration: (128 / threads_per_key) key groups x unroll(heads) keys each."""
+    return NUM_THREADS // threads_per_key(head_dim) * unroll(heads)
 
 
 def heads_per_cta(group_size: int) -> int:
@@ -76,7 +83,7 @@ def heads_per_cta(group_size: int) -> int:
 
 
 # --8<-- [start:split_ranges]
-def split_range(num_visible: int, num_splits: int, split: int, head_dim: int) -> tuple[int, int]:
+def split_range(num_visible: int, num_splits: int, split: int, head_dim: int, heads: int = 4) -> tuple[int, int]:
     """[begin, end) of the visible keys (in enumeration order) that ``split`` reads.
 
     The visible keys are cut into ``num_splits`` equal chunks, each rounded up
@@ -84,7 +91,7 @@ def split_range(num_visible: int, num_splits: int, split: int, head_dim: int) ->
     range. The kernel computes exactly this (``visible_key_range`` and the
     split arithmetic in ``kernel``); the PyTorch model below uses it too.
     """
-    step = keys_per_iteration(head_dim)
+    step = keys_per_iteration(head_dim, heads)
     chunk = -(-num_visible // num_splits)
     chunk = -(-chunk // step) * step
     begin = min(split * chunk, num_visible)
@@ -120,10 +127,10 @@ def visible_key_range(seqlen: Int32, window_left: Int32, num_sink_tokens: Int32)
 # --8<-- [start:softmax]
 @cute.jit
 def online_softmax_update(scores: cute.Tensor, rV: cute.Tensor, row_max: cute.Tensor,
-                          row_sum: cute.Tensor, acc: cute.Tensor, h: cutlass.Constexpr):
-    """Fold UNROLL new keys into one key group's running softmax of query head ``h``.
+                          row_sum: cute.Tensor, acc: cute.Tensor):
+    """Fold UNROLL new keys into one key group's running softmax, for every query head.
 
-    ``scores[u]``: the score of key u for head h, already multiplied by
+    ``scores[h, u]``: the score of key u for head h, already multiplied by
     softmax_scale * log2(e) (so exp2 gives the softmax numerator); -inf for a
     key past the end of the split. ``rV[u, i]``: this thread's 8 elements of
     key u's V row (fp16/bf16). ``row_max[h]``, ``row_sum[h]``: the running max
@@ -131,9 +138,9 @@ def online_softmax_update(scores: cute.Tensor, rV: cute.Tensor, row_max: cute.Te
     thread's 8 columns. All threads of a key group hold the same scores, max
     and sum; each holds its own 8 columns of O.
     """
-    unroll = cute.size(scores)
-    # TODO(stage 7): New max m = max(row_max[h], scores[:]); use 0 instead of m while it is -inf; rescale row_sum[h] and acc[h, :] by exp2(row_max[h] - m); add p_u = exp2(scores[u] - m) to row_sum[h] and p_u * rV[u, :] to acc[h, :]; store m in row_max[h].
-    raise NotImplementedError('TODO(stage 7) in online_softmax_update(): New max m = max(row_max[h], scores[:]); use 0 instead of m while it is -inf; rescale row_sum[h] and acc[h, :] by exp2(row_max[h] - m); add p_u = exp2(scores[u] - m) to row_sum[h] and p_u * rV[u, :] to acc[h, :]; store m in row_max[h]. Hints: docs/stages/07-decode.md')
+    num_heads, unroll = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
+    # TODO(stage 7): For each head h: new max m = max(row_max[h], scores[h, :]); use 0 instead of m while it is -inf; rescale row_sum[h] and acc[h, :] by exp2(row_max[h] - m); add p_u = exp2(scores[h, u] - m) to row_sum[h] and p_u * rV[u, :] to acc[h, :]; store m.
+    raise NotImplementedError('TODO(stage 7) in online_softmax_update(): For each head h: new max m = max(row_max[h], scores[h, :]); use 0 instead of m while it is -inf; rescale row_sum[h] and acc[h, :] by exp2(row_max[h] - m); add p_u = exp2(scores[h, u] - m) to row_sum[h] and p_u * rV[u, :] to acc[h, :]; store m. Hints: docs/stages/07-decode.md')
 # --8<-- [end:softmax]
 
 
@@ -219,7 +226,8 @@ class SplitKVDecode:
         self.write_lse = write_lse
         self.tpk = threads_per_key(head_dim)
         self.groups = NUM_THREADS // self.tpk
-        self.keys_per_iter = keys_per_iteration(head_dim)
+        self.unroll = unroll(heads_per_cta)
+        self.keys_per_iter = keys_per_iteration(head_dim, heads_per_cta)
 
     @cute.jit
     def __call__(
@@ -340,7 +348,7 @@ class SplitKVDecode:
             capacity = mK.shape[1]
         else:
             capacity = mBlockTable.shape[1] * self.page_size
-        seqlen = cutlass.min(mSeqlens[batch], capacity)
+        seqlen = cutlass.max(cutlass.min(mSeqlens[batch], capacity), Int32(0))  # never outside the cache
         lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
         step = self.keys_per_iter
         chunk = (num_visible + num_splits - 1) // num_splits
@@ -358,29 +366,29 @@ class SplitKVDecode:
         row_sum.fill(0.0)
         acc.fill(0.0)
         # Row u of r_k / r_v: this thread's 16 bytes of key u (row-major, so one 16-byte load fills it).
-        r_k = cute.make_rmem_tensor(cute.make_ordered_layout((UNROLL, VEC), order=(1, 0)), self.dtype)
-        r_v = cute.make_rmem_tensor(cute.make_ordered_layout((UNROLL, VEC), order=(1, 0)), self.dtype)
-        scores = cute.make_rmem_tensor((UNROLL,), Float32)
+        r_k = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
+        r_v = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
+        scores = cute.make_rmem_tensor((heads, self.unroll), Float32)
         for it in cutlass.range(num_iters, unroll=1):
             first = v_begin + it * step + key_group
-            # Issue all 2 x UNROLL 16-byte loads before using any: they are in flight together.
-            for u in cutlass.range_constexpr(UNROLL):
+            # Issue all 2 x unroll 16-byte loads before using any: they are in flight together.
+            for u in cutlass.range_constexpr(self.unroll):
                 # Past the split's end, re-read its last key (always a valid, finite row); its score is masked below.
                 v = cutlass.min(first + u * groups, v_end - 1)
                 key = Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
                 cute.autovec_copy(self.key_row(mK, mBlockTable, batch, key, head_kv, lane), r_k[u, None])
                 cute.autovec_copy(self.key_row(mV, mBlockTable, batch, key, head_kv, lane), r_v[u, None])
-            # Head by head: the scores of the UNROLL keys, then that head's online softmax.
-            for h in cutlass.range_constexpr(heads):
-                for u in cutlass.range_constexpr(UNROLL):
+            for u in cutlass.range_constexpr(self.unroll):
+                valid = first + u * groups < v_end
+                for h in cutlass.range_constexpr(heads):
                     dot = Float32(0.0)
                     for i in cutlass.range_constexpr(VEC):
                         dot = dot + r_q[h, i] * r_k[u, i].to(Float32)
                     # Each thread of the key group holds the sum of its 8 products: a
                     # butterfly over the group leaves the full dot product in all of them.
                     dot = cute.arch.warp_reduction_sum(dot, threads_in_group=tpk)
-                    scores[u] = Float32(cutlass.select_(first + u * groups < v_end, dot, -Float32.inf))
-                online_softmax_update(scores, r_v, row_max, row_sum, acc, h)
+                    scores[h, u] = Float32(cutlass.select_(valid, dot, -Float32.inf))
+            online_softmax_update(scores, r_v, row_max, row_sum, acc)
         # --8<-- [end:main_loop]
 
         # --8<-- [start:merge_groups]
@@ -424,11 +432,11 @@ class SplitKVDecode:
             cute.arch.sync_threads()
             # O[h, col] = sum over splits of w_s * O_s[h, col], w_s = exp2(lse_s - M) / total.
             # The split loop is outside and unrolled, so each thread keeps several
-            # independent loads in flight instead of one L2 round trip per split.
+            # independent loads in flight instead of one L2 round trip after another.
             per_thread = (heads * d + NUM_THREADS - 1) // NUM_THREADS
             o = cute.make_rmem_tensor((per_thread,), Float32)
             o.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=4):
+            for s in cutlass.range(num_splits, unroll=max(1, 8 // per_thread)):  # about 8 loads in flight
                 for k in cutlass.range_constexpr(per_thread):
                     e = tidx + k * NUM_THREADS
                     h = cutlass.min(e // d, heads_here - 1)  # spare slots recompute a real head, never stored
@@ -508,7 +516,7 @@ def ctas_per_sm(heads: int) -> int:
     The register counts are what ptxas reports for the sm_90a build (the
     cross-compile tests print them); more heads per CTA, more registers.
     """
-    registers = REGISTERS_PER_THREAD[heads]
+    registers = -(-REGISTERS_PER_THREAD[heads] // 8) * 8  # allocated per warp in blocks of 256 = 8 per thread
     return max(1, min(16, 65536 // (registers * NUM_THREADS)))
 
 
@@ -541,6 +549,7 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
 
 
 _COUNTERS: dict = {}
+_RETIRED: list = []
 _DUMMIES: dict = {}
 
 
@@ -557,6 +566,8 @@ def counters_for(device, count: int):
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED.append(counters)  # a captured CUDA graph may still use it: never free it
         counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
@@ -655,7 +666,7 @@ def split_kv_model(q, k_cache, v_cache, cache_seqlens, *, block_table=None, soft
         for h in range(h_q):
             parts = []
             for split in range(num_splits):
-                begin, end = split_range(len(keys), num_splits, split, d)
+                begin, end = split_range(len(keys), num_splits, split, d, heads_per_cta(group))
                 if begin == end:
                     parts.append((torch.zeros(d, dtype=torch.float64), -math.inf))
                     continue

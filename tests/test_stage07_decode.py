@@ -206,13 +206,13 @@ def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout):
     check(stage, inputs, f"{dtype}, D={head_dim}, {layout}, lengths {RAGGED}", return_lse=True)
 
 
-GQA = [(4, 4), (8, 2), (8, 1), (6, 2), (16, 1)]  # ratios 1, 4, 8; a group of 3 (bucket of 4); 16 = two CTAs
+# (H_q, H_kv, layout): ratios 1, 4, 8; a group of 3 (in a CTA of 4 heads); 16 (two CTAs of 8 heads).
+GQA = [(4, 4, "contiguous"), (8, 2, "paged64"), (8, 1, "contiguous"), (6, 2, "contiguous"), (16, 1, "paged64")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["contiguous", "paged64"])
-@pytest.mark.parametrize("h_q, h_kv", GQA, ids=[f"h{a}-kv{b}" for a, b in GQA])
-def test_gqa_groups(stage, layout, h_q, h_kv):
+@pytest.mark.parametrize("h_q, h_kv, layout", GQA, ids=[f"h{a}-kv{b}-{c}" for a, b, c in GQA])
+def test_gqa_groups(stage, h_q, h_kv, layout):
     inputs = testing.random_decode_inputs([1, 127, 128, 4097], h_q, h_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=h_q * 10 + h_kv)
     check(stage, inputs, f"H_q={h_q}, H_kv={h_kv}, {layout}", num_splits=3)
@@ -244,7 +244,7 @@ def test_back_to_back_launches_reset_the_counters(stage):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay(stage):
-    inputs = testing.random_decode_inputs([4097, 32768, 5], 8, 2, 128, torch.bfloat16, page_size=16, seed=4)
+    inputs = testing.random_decode_inputs([4097, 32768, 5], 8, 2, 128, torch.float16, page_size=64, seed=4)
     out = testing.poisoned_like(inputs["q"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -265,19 +265,18 @@ def test_cuda_graph_replay(stage):
     assert not torch.isnan(out).any()
 
 
-FEATURE_CASES = {
-    "window-100": {"window_size_left": 100},
-    "window-0": {"window_size_left": 0},
-    "window-5000+4-sink-tokens": {"window_size_left": 5000, "num_sink_tokens": 4},
-    "sink-logits": {"sink_logits": True},
-    "window-100+sinks": {"window_size_left": 100, "num_sink_tokens": 2, "sink_logits": True},
-    "softmax-scale": {"softmax_scale": 0.3},
+FEATURE_CASES = {  # name: (layout, features)
+    "window-100": ("contiguous", {"window_size_left": 100}),
+    "window-0": ("paged64", {"window_size_left": 0}),
+    "window-5000+4-sink-tokens": ("contiguous", {"window_size_left": 5000, "num_sink_tokens": 4}),
+    "sink-logits": ("paged64", {"sink_logits": True}),
+    "window-100+sinks": ("contiguous", {"window_size_left": 100, "num_sink_tokens": 2, "sink_logits": True}),
+    "softmax-scale": ("paged64", {"softmax_scale": 0.3}),
 }
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["contiguous", "paged64"])
-@pytest.mark.parametrize("features", FEATURE_CASES.values(), ids=FEATURE_CASES.keys())
+@pytest.mark.parametrize("layout, features", FEATURE_CASES.values(), ids=FEATURE_CASES.keys())
 def test_windows_sinks_and_lse(stage, layout, features):
     inputs = testing.random_decode_inputs([0, 1, 127, 4097, 32768], 8, 2, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=21)
@@ -290,10 +289,10 @@ def test_windows_sinks_and_lse(stage, layout, features):
 @pytest.mark.gpu
 def test_empty_sequences(stage):
     """Length 0: O = 0 and LSE = -inf, or the sink logit when there is one; never NaN."""
-    inputs = testing.random_decode_inputs([0, 5, 0], 4, 4, 64, torch.float16, seed=8)
+    inputs = testing.random_decode_inputs([0, 5, 0], 8, 2, 128, torch.float16, seed=8)
     out, lse = stage.decode_attention(**inputs, return_lse=True, num_splits=3, out=testing.poisoned_like(inputs["q"]))
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[[0, 2]]).all()
-    sink = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda")
+    sink = torch.linspace(-2.0, 2.0, 8, device="cuda")
     out, lse = stage.decode_attention(**inputs, return_lse=True, sink_logits=sink,
                                       out=testing.poisoned_like(inputs["q"]))
     assert torch.equal(out[2], torch.zeros_like(out[2]))
