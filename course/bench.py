@@ -103,6 +103,16 @@ class DecodeShape:
         return 2 * self.batch * self.seqlen_k * self.heads_kv * self.head_dim * 2
 
 
+def kernel_features(shape: PrefillShape, heads: int) -> dict:
+    """The keyword arguments of ``attention`` for this shape's features (random sink logits)."""
+    import torch
+
+    features = dict(shape.features)
+    if shape.sinks:
+        features["sink_logits"] = torch.randn(heads, device="cuda")
+    return features
+
+
 def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
     """Median milliseconds of ``fn()`` measured with CUDA events.
 
@@ -184,9 +194,7 @@ def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) 
     for shape in shapes:
         q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
                                      shape.head_dim, getattr(torch, shape.dtype))
-        features = dict(shape.features)
-        if shape.sinks:
-            features["sink_logits"] = torch.randn(shape.heads, device="cuda")
+        features = kernel_features(shape, shape.heads)
         kernels = {f"stage {n}": (n, m.attention) for n, m in modules.items() if shape in m.BENCH_SHAPES}
         kernels.update({name: (None, fn) for name, fn in baselines.items()})
         for name, (number, fn) in kernels.items():

@@ -123,16 +123,20 @@ def compare_with_reference(out, q, k, v, **features) -> ErrorReport:
     return ErrorReport(diff.max().item(), diff.mean().item(), base.max().item(), base.mean().item())
 
 
-def assert_attention_matches(out, q, k, v, where: str = "", **features) -> ErrorReport:
-    """Fail with a message that says what is wrong when ``out`` is not a correct attention output."""
+def assert_no_nan(out, where: str, index_names: str, why: str) -> None:
+    """Fail with the count and the first position of NaN outputs, and what NaN means for this kernel."""
     nan = torch.isnan(out)
     if nan.any():
         idx = nan.nonzero()[0].tolist()
-        raise AssertionError(
-            f"{where}: {nan.sum().item()} of {out.numel()} outputs are NaN (first at [b, s, h, d] = {idx}). "
-            "The output buffer was filled with NaN before the launch: NaN means an element was never "
-            "written (check the epilogue / tail tiles) or the softmax produced inf - inf."
-        )
+        raise AssertionError(f"{where}: {nan.sum().item()} of {out.numel()} outputs are NaN "
+                             f"(first at {index_names} = {idx}). {why}")
+
+
+def assert_attention_matches(out, q, k, v, where: str = "", **features) -> ErrorReport:
+    """Fail with a message that says what is wrong when ``out`` is not a correct attention output."""
+    assert_no_nan(out, where, "[b, s, h, d]",
+                  "The output buffer was filled with NaN before the launch: NaN means an element was never "
+                  "written (check the epilogue / tail tiles) or the softmax produced inf - inf.")
     report = compare_with_reference(out, q, k, v, **features)
     if not report.ok:
         ref = reference.attention(q, k, v, **features).float()
@@ -245,15 +249,10 @@ LSE_TOLERANCE = 1e-3  # natural-log units; the kernels compute LSE in fp32 from 
 
 def assert_decode_matches(out, inputs: dict, where: str = "", lse=None, **features) -> ErrorReport:
     """Fail with a readable message when a decode output (and LSE) is not what the reference computes."""
-    nan = torch.isnan(out)
-    if nan.any():
-        idx = nan.nonzero()[0].tolist()
-        raise AssertionError(
-            f"{where}: {nan.sum().item()} of {out.numel()} outputs are NaN (first at [b, h, d] = {idx}). The "
-            "output was NaN before the launch and the cache is NaN past every sequence's length: NaN means an "
-            "element was never written, a key past the length (or outside the sequence's pages) was read, or "
-            "a merge computed inf - inf or 0/0."
-        )
+    assert_no_nan(out, where, "[b, h, d]",
+                  "The output was NaN before the launch and the cache is NaN past every sequence's length: NaN "
+                  "means an element was never written, a key past the length (or outside the sequence's pages) "
+                  "was read, or a merge computed inf - inf or 0/0.")
     report = compare_decode_with_reference(out, **inputs, **features)
     if not report.ok:
         ref = reference.decode_attention(**inputs, **features).float()
