@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from course.compile import cute_dtype
 
-__all__ = ["cute_dtype", "compiled", "placeholder_sinks", "placeholder_lse", "demo"]
+__all__ = ["cute_dtype", "compiled", "placeholder", "demo"]
 
 _CACHE: dict = {}
 
@@ -32,23 +32,15 @@ def compiled(key, make_kernel_and_args):
 _PLACEHOLDERS: dict = {}
 
 
-def placeholder_sinks(device, heads_q: int):
-    """A float32 [H_q] tensor for kernels compiled without sink logits, which never read it."""
+def placeholder(device, shape: tuple, dtype=None):
+    """A small zero tensor, cached per (device, shape, dtype), for an argument that a kernel
+    compiled without its feature (sinks, LSE, block table) never reads or writes."""
     import torch
 
-    key = (str(device), heads_q)
+    dtype = torch.float32 if dtype is None else dtype
+    key = (str(device), tuple(shape), dtype)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros(heads_q, device=device, dtype=torch.float32)
-    return _PLACEHOLDERS[key]
-
-
-def placeholder_lse(device):
-    """A 1-element float32 tensor for kernels compiled without LSE output, which never write it."""
-    import torch
-
-    key = (str(device), "lse")
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros(1, 1, 1, device=device, dtype=torch.float32)
+        _PLACEHOLDERS[key] = torch.zeros(shape, device=device, dtype=dtype)
     return _PLACEHOLDERS[key]
 
 

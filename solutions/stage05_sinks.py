@@ -692,7 +692,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     config = (q.dtype, shape.head_dim, left >= 0, right >= 0, sink_logits is not None,
               left >= 0 and num_sink_tokens > 0)
     kernel = launch.compiled(("stage05", *config), lambda: kernel_and_args(*config))
-    sinks = sink_logits if sink_logits is not None else launch.placeholder_sinks(q.device, shape.heads_q)
+    sinks = sink_logits if sink_logits is not None else launch.placeholder(q.device, (shape.heads_q,))
     kernel(q, k, v, out, sinks, scale * LOG2_E, left, right, num_sink_tokens)
     return out
 # --8<-- [end:api]

@@ -601,7 +601,6 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
 
 _COUNTERS: dict = {}
 _RETIRED: list = []
-_DUMMIES: dict = {}
 
 
 def counters_for(device, count: int):
@@ -622,15 +621,6 @@ def counters_for(device, count: int):
         counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
-
-
-def _dummy(device, dtype):
-    import torch
-
-    key = (device, dtype)
-    if key not in _DUMMIES:
-        _DUMMIES[key] = torch.zeros(1, 1, dtype=dtype, device=device)
-    return _DUMMIES[key]
 
 
 # --8<-- [start:api]
@@ -678,9 +668,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
                                                           has_sink, return_lse))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
     kernel(q, k_cache, v_cache, cache_seqlens,
-           block_table if block_table is not None else _dummy(device, torch.int32),
-           sink_logits if has_sink else _dummy(device, torch.float32).view(1),
-           out, lse if return_lse else _dummy(device, torch.float32),
+           block_table if block_table is not None else launch.placeholder(device, (1, 1), torch.int32),
+           sink_logits if has_sink else launch.placeholder(device, (1,)),
+           out, lse if return_lse else launch.placeholder(device, (1, 1)),
            part_o, part_lse, counters, scale * LOG2_E, window_size_left, num_sink_tokens)
     return (out, lse) if return_lse else out
 # --8<-- [end:api]

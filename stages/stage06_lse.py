@@ -719,9 +719,9 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     config = (q.dtype, shape.head_dim, left >= 0, right >= 0, sink_logits is not None,
               left >= 0 and num_sink_tokens > 0, bool(return_lse))
     kernel = launch.compiled(("stage06", *config), lambda: kernel_and_args(*config))
-    sinks = sink_logits if sink_logits is not None else launch.placeholder_sinks(q.device, shape.heads_q)
+    sinks = sink_logits if sink_logits is not None else launch.placeholder(q.device, (shape.heads_q,))
     lse = (torch.empty(shape.batch, shape.heads_q, shape.seqlen_q, device=q.device, dtype=torch.float32)
-           if return_lse else launch.placeholder_lse(q.device))
+           if return_lse else launch.placeholder(q.device, (1, 1, 1)))
     kernel(q, k, v, out, lse, sinks, scale * LOG2_E, left, right, num_sink_tokens)
     return (out, lse) if return_lse else out
 # --8<-- [end:api]
