@@ -134,6 +134,59 @@ def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def time_cuda_graph(fn, *, calls: int = 10, warmup: int = 3, repeats: int = 20) -> float:
+    """Median milliseconds of one ``fn()``, replayed from a CUDA graph of ``calls`` back-to-back calls.
+
+    A decode call on a short cache is a few microseconds of GPU work but tens
+    of microseconds of Python and launch overhead: timed eagerly, it measures
+    the host. Serving engines capture decode steps in CUDA graphs, and so does
+    this: the graph holds only GPU work, the same for every kernel compared.
+    """
+    import torch
+
+    side = torch.cuda.Stream()  # warm up (allocations, compiles, cuDNN plans) off the default stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / calls
+
+
+def host_microseconds(fn, *, calls: int = 50) -> float:
+    """Median host time of one eager call (Python, validation, allocation, launch), in microseconds.
+
+    Each call is timed on its own with the GPU already busy, so the launch
+    returns as soon as the work is queued: what is measured is the host's part.
+    """
+    import time
+
+    import torch
+
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
 def sdpa(backend):
     """PyTorch SDPA restricted to one backend, on [B, S, H, D] tensors like the kernels.
 
@@ -340,47 +393,36 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
             kernels.update({name: (None, fn) for name, fn in baselines.items()})
         for name, (number, fn) in kernels.items():
             try:
-                ms = time_cuda(lambda: fn(*inputs), repeats=repeats)
+                ms = time_cuda_graph(lambda: fn(*inputs), repeats=repeats)
+                host_us = host_microseconds(lambda: fn(*inputs))
             except RuntimeError as error:  # a backend that refuses the shape, or runs out of memory
                 print(f"  {name} on {shape.label}: not run ({str(error).splitlines()[0]})")
                 torch.cuda.empty_cache()
                 continue
             gbps = shape.kv_bytes / ms / 1e6
             rows.append({"stage": number, "kernel": name, "shape": asdict(shape), "label": shape.label,
-                         "ms": ms, "gbps": gbps, "copy_fraction": gbps / copy_gbps})
+                         "ms": ms, "gbps": gbps, "copy_fraction": gbps / copy_gbps, "host_us": host_us})
             print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {gbps:.0f} GB/s of K and V "
-                  f"({100 * gbps / copy_gbps:.0f}% of the copy bandwidth)")
+                  f"({100 * gbps / copy_gbps:.0f}% of the copy bandwidth); host {host_us:.0f} us per eager call")
         del inputs
         torch.cuda.empty_cache()
     return {"copy_gbps": copy_gbps, "rows": rows}
 
 
 def decode_markdown_table(results: dict) -> str:
-    """The decode table: effective K/V bandwidth, and as a fraction of the measured copy bandwidth."""
+    """The decode table of bench.md: the results page's decode table, with the copy bandwidth above it."""
+    from course import results as results_page
+
     decode = results.get("decode")
     if not decode or not decode["rows"]:
         return ""
     lines = [
         "",
         f"Decode: effective bandwidth = bytes of K and V read once / time. Device-to-device copy on the "
-        f"same GPU in the same run: {decode['copy_gbps']:.0f} GB/s (read + write).",
+        f"same GPU in the same run: {decode['copy_gbps']:.0f} GB/s (read + write). {results_page.DECODE_TIMING}",
         "",
-        "| shape | kernel | time (ms) | K/V GB/s | of copy bandwidth | vs SDPA cuDNN |",
-        "|---|---|---:|---:|---:|---:|",
+        *results_page.decode_table(decode["rows"], decode["rows"]),
     ]
-    rows = decode["rows"]
-
-    def contiguous_label(row):  # SDPA runs on the contiguous cache: paged rows compare with it
-        return DecodeShape(**{**row["shape"], "paged": False}).label
-
-    for label in dict.fromkeys(r["label"] for r in rows):
-        group = [r for r in rows if r["label"] == label]
-        cudnn = next((r["ms"] for r in rows
-                      if r["label"] == contiguous_label(group[0]) and r["kernel"] == "SDPA cuDNN"), None)
-        for r in group:
-            ratio = f"{cudnn / r['ms']:.2f}x" if cudnn else "-"
-            lines.append(f"| {label} | {r['kernel']} | {r['ms']:.3f} | {r['gbps']:.0f} | "
-                         f"{100 * r['copy_fraction']:.0f}% | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -71,11 +71,16 @@ def prefill_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+DECODE_TIMING = ("Time per call is GPU time, replayed from a CUDA graph of 10 calls (as serving engines run "
+                 "decode); \"host\" is the Python and launch time of one eager call, which is what an eager call on "
+                 "a short cache waits for.")
+
+
 def decode_table(rows: list[dict], all_rows: list[dict]) -> list[str]:
     """Paged rows compare with SDPA on the same cache stored contiguously (SDPA has no paged cache)."""
     lines = [
-        "| shape | kernel | time (ms) | K/V GB/s | of copy bandwidth | vs SDPA cuDNN |",
-        "|---|---|---:|---:|---:|---:|",
+        "| shape | kernel | time (ms) | K/V GB/s | of copy bandwidth | vs SDPA cuDNN | host (us) |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         contiguous = {**r["shape"], "paged": False}
@@ -83,8 +88,9 @@ def decode_table(rows: list[dict], all_rows: list[dict]) -> list[str]:
                          if b["kernel"] == BASELINE and {**b["shape"], "paged": False} == contiguous
                          and not b["shape"].get("paged")), None)
         fraction = f"{100 * r['copy_fraction']:.0f}%" if "copy_fraction" in r else "-"
+        host = f"{r['host_us']:.0f}" if "host_us" in r else "-"
         lines.append(f"| {r['label']} | {_kernel(r)} | {r['ms']:.3f} | {r['gbps']:.0f} | {fraction} | "
-                     f"{_ratio(baseline, r['ms'])} |")
+                     f"{_ratio(baseline, r['ms'])} | {host} |")
     return lines
 
 
@@ -122,7 +128,7 @@ def tables(results: dict) -> str:
     if decode:
         lines += ["", "## Decode", "",
                   "Effective bandwidth = bytes of K and V read once / time; the dashed line of the plot is the "
-                  "device-to-device copy bandwidth measured in the same run.", "",
+                  "device-to-device copy bandwidth measured in the same run. " + DECODE_TIMING, "",
                   "![Decode: effective K/V bandwidth of each kernel, per shape](results/bench-decode.png)"]
         for number in _stage_numbers(decode):
             lines += ["", f"### {stage_heading(number)}", "", *decode_table(_rows_of_stage(decode, number), decode)]

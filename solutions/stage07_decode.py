@@ -1,5 +1,12 @@
 """Stage 7: decode attention with a split-KV (multi-block) reduction.
 
+Compared with stage 6, this stage adds a second kernel, for one query token
+per sequence against its KV cache, because generating text runs it once per
+token and it has none of prefill's structure: no tile of queries to feed
+WGMMA, a memory-bound loop, and too little work per sequence to fill the GPU
+unless a sequence's keys are split across CTAs and merged with stage 6's LSE
+arithmetic.
+
 Decode is the other half of serving: every sequence of a batch brings ONE new
 query token (per query head), and it attends to the whole KV cache of its
 sequence, which can be 100k tokens long, each sequence with its own length.
@@ -10,18 +17,20 @@ kernel is bound by memory bandwidth, and the stage is about moving bytes:
 1. One CTA takes one (sequence, KV head, split): a slice of that sequence's
    keys, for ALL the query heads that share the KV head (GQA), so every K/V
    byte is read from HBM once per group, not once per query head.
-2. Inside the CTA a key belongs to D/8 threads that each load 16 bytes of its
-   K row and 16 bytes of its V row (vectorized loads, several keys in flight
-   per thread); the dot products are finished with warp shuffles, and every
-   group of threads keeps an online softmax (running max, sum, O) per head.
-3. The groups of a CTA are merged through shared memory into the split's
-   partial result: normalized O and its log-sum-exp, written to an fp32
-   workspace in global memory.
+2. Inside the CTA a key belongs to D/8 threads that each copy 16 bytes of its
+   K row and 16 bytes of its V row with cp.async into their own slots of a
+   shared-memory ring, STAGES - 1 loop iterations ahead of the compute, so the
+   loads of the next keys are always in flight; the dot products are finished
+   with warp shuffles, and every group of threads keeps an online softmax
+   (running max, sum, O) per head.
+3. The groups of a CTA are merged through shared memory (the ring's bytes,
+   free by then) into the split's partial result: normalized O and its
+   log-sum-exp, written to an fp32 workspace in global memory.
 4. Each CTA then arrives on a per-(sequence, KV head) counter with a gpu-scope
    acquire-release atomic. The CTA that arrives last reads every split's
-   partial, merges them with the LSE math of stage 6 (adding the sink logit
-   exactly once), writes O and LSE, and resets the counter to 0 for the next
-   launch (and for the next replay of a CUDA graph).
+   partial, folds them in with the online softmax rule (the LSE merge of
+   stage 6; the sink logit exactly once, at the end), writes O and LSE, and
+   resets the counter to 0 for the next launch (and the next CUDA graph replay).
 
 Sliding windows and sink tokens change only which keys a sequence sees: the
 visible keys are enumerated directly (the sink tokens, then the window), so a
@@ -41,6 +50,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 from cutlass.memory import SmemAllocator
 
 from course import launch, validation
@@ -53,13 +63,18 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 HEADS_PER_CTA = (1, 2, 4, 8)  # query heads one CTA computes (compile-time); larger groups use several CTAs
 NUM_THREADS = 128  # 4 warps per CTA
 VEC = 8  # elements per thread per key: 8 x 16 bits = one 16-byte load
-# Keys each key group loads per loop iteration (UNROLL K rows + UNROLL V rows of 16 bytes per
-# thread in flight), by heads per CTA: the more heads, the more registers per key.
-UNROLL = {1: 8, 2: 4, 4: 4, 8: 2}
+# Keys each key group computes per loop iteration, by heads per CTA: the more heads, the more
+# registers per key.
+UNROLL = {1: 4, 2: 4, 4: 4, 8: 2}
+# Iterations of K/V in flight: each thread copies its 16-byte pieces of the next STAGES - 1
+# iterations' keys into its own slots of a shared-memory ring with cp.async while it computes.
+STAGES = 3
+COMBINE_LOADS = 16  # 16-byte partial-O loads each thread of the last CTA keeps in flight
+SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-MIN_KEYS_PER_SPLIT = 256  # the auto split count never gives a split fewer keys than this
-REGISTERS_PER_THREAD = {1: 90, 2: 128, 4: 168, 8: 224}  # most ptxas needs (sm_90a, any config), by heads per CTA
+MIN_KEYS_PER_SPLIT = 128  # the auto split count never gives a split fewer keys than this
+REGISTERS_PER_THREAD = {1: 128, 2: 128, 4: 168, 8: 248}  # most ptxas uses (sm_90a, any config), by heads per CTA
 
 
 def threads_per_key(head_dim: int) -> int:
@@ -75,6 +90,17 @@ def unroll(heads: int) -> int:
 def keys_per_iteration(head_dim: int, heads: int = 4) -> int:
     """Keys one CTA loads per loop iteration: (128 / threads_per_key) key groups x unroll(heads) keys each."""
     return NUM_THREADS // threads_per_key(head_dim) * unroll(heads)
+
+
+def work_bytes(head_dim: int, heads: int) -> int:
+    """Shared memory for the cp.async ring, reused by the merge: the larger of the two.
+
+    The ring holds STAGES iterations of 16-byte K and V pieces per thread; the
+    merge holds every key group's max, sum and O columns (fp32) for each head.
+    """
+    ring = STAGES * 2 * unroll(heads) * NUM_THREADS * VEC * 2
+    merge = 4 * (NUM_THREADS // threads_per_key(head_dim)) * heads * (head_dim + 2)
+    return max(ring, merge)
 
 
 def heads_per_cta(group_size: int) -> int:
@@ -220,46 +246,52 @@ def arrive_and_elect_last(counter: cute.Pointer, num_splits: Int32, s_flag: cute
 # --8<-- [end:arrive]
 
 
+# --8<-- [start:combine]
 @cute.jit
-def load_strong(t: cute.Tensor, coord) -> Float32:
-    """A gpu-scope relaxed load: reads L2, never a stale line of this SM's L1 cache."""
-    ptr = t.iterator + cute.crd2idx(coord, t.layout)
-    return cute.arch.load(ptr, Float32, sem="relaxed", scope="gpu")
+def fold_in_split(lse: Float32, part: cute.Tensor, state: cute.Tensor, o: cute.Tensor):
+    """Fold one split's partial into a running combine: the online softmax again, now over splits.
 
-
-# --8<-- [start:combine_stats]
-@cute.jit
-def combine_statistics(m_part_lse: cute.Tensor, batch: Int32, head: Int32, num_splits: Int32,
-                       sink_log2: Float32, has_sink: cutlass.Constexpr):
-    """One warp merges the split LSEs of one query head: returns (M, 1 / total, final LSE in log2 units).
-
-    The merged result is O = sum_s w_s O_s / total with w_s = exp2(lse_s - M)
-    and total = sum_s w_s (+ exp2(sink - M) with a sink logit, which enters the
-    denominator here and only here). M is the largest LSE (and sink), or 0
-    when everything is -inf; an all-empty row gives 1/total = 0, so O = 0, and
-    LSE = -inf (or the sink).
+    ``lse``: the split's LSE (log2 units, -inf for a split that saw no key);
+    ``part``: 4 columns of its normalized O. ``state[0]``: the running max M
+    of the LSEs so far; ``state[1]``: the running total, sum_s exp2(lse_s - M);
+    ``o``: sum_s exp2(lse_s - M) * O_s for the same 4 columns.
     """
-    lane = cute.arch.lane_idx()
-    # [exercise 7] The combine: each lane takes splits lane, lane+32, ...; M = warp max of the split LSEs (and of sink_log2 when has_sink), 0 if -inf; total = warp sum of exp2(lse_s - M) (+ exp2(sink_log2 - M) once); return (M, 1/total or 0 when total == 0, M + log2(total) or -inf).
-    big = -Float32.inf
-    for s in cutlass.range(lane, num_splits, 32):
-        big = cute.arch.fmax(big, load_strong(m_part_lse, (batch, head, s)))
-    big = cute.arch.warp_reduction_max(big)
-    if cutlass.const_expr(has_sink):
-        big = cute.arch.fmax(big, sink_log2)
-    big = Float32(cutlass.select_(big == -Float32.inf, Float32(0.0), big))
-    total = Float32(0.0)
-    for s in cutlass.range(lane, num_splits, 32):
-        total = total + cute.math.exp2(load_strong(m_part_lse, (batch, head, s)) - big, fastmath=True)
-    total = cute.arch.warp_reduction_sum(total)
-    if cutlass.const_expr(has_sink):
-        total = total + cute.math.exp2(sink_log2 - big, fastmath=True)
-    empty = total == Float32(0.0)
-    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / total))
-    lse = Float32(cutlass.select_(empty, -Float32.inf, big + cute.math.log2(total, fastmath=True)))
+    # [exercise 7] New max m = max(state[0], lse), 0 instead of m while it is -inf; rescale state[1] and o by exp2(state[0] - m); add w = exp2(lse - m) to state[1] and w * part to o; store m in state[0].
+    new_max = cute.arch.fmax(state[0], lse)
+    safe_max = Float32(cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max))
+    correction = cute.math.exp2(state[0] - safe_max, fastmath=True)
+    w = cute.math.exp2(lse - safe_max, fastmath=True)
+    state[1] = state[1] * correction + w
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = o[i] * correction + w * part[i]
+    state[0] = new_max
     # [/exercise]
-    return big, inv_total, lse
-# --8<-- [end:combine_stats]
+
+
+@cute.jit
+def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_sink: cutlass.Constexpr):
+    """After the last split: fold in the sink logit (once, here), normalize o; return the LSE (log2 units).
+
+    A sink adds exp2(sink - M) to the denominator only. An all-empty row (no
+    visible key, no sink) has total 0: O = 0 and LSE = -inf, never NaN.
+    """
+    # [exercise 7] With has_sink: fold the sink into state like a split with no columns (rescale state[1] and o, add exp2(sink_log2 - m) to state[1]). Then o *= 1 / state[1] (0 when the total is 0); return M + log2(total), or -inf when the total is 0.
+    if cutlass.const_expr(has_sink):
+        new_max = cute.arch.fmax(state[0], sink_log2)
+        safe_max = Float32(cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max))  # a -inf sink too
+        correction = cute.math.exp2(state[0] - safe_max, fastmath=True)
+        state[1] = state[1] * correction + cute.math.exp2(sink_log2 - safe_max, fastmath=True)
+        for i in cutlass.range_constexpr(cute.size(o)):
+            o[i] = o[i] * correction
+        state[0] = new_max
+    empty = state[1] == Float32(0.0)
+    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / state[1]))
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = o[i] * inv_total
+    lse = Float32(cutlass.select_(empty, -Float32.inf, state[0] + cute.math.log2(state[1], fastmath=True)))
+    # [/exercise]
+    return lse
+# --8<-- [end:combine]
 
 
 class SplitKVDecode:
@@ -300,12 +332,12 @@ class SplitKVDecode:
         stream,
     ):
         # --8<-- [start:smem]
+        work_words = work_bytes(self.head_dim, self.heads) // 4  # a local: the annotations below see locals
+
         @cute.struct
         class SharedStorage:
-            maxes: cute.struct.MemRange[Float32, self.groups * self.heads]
-            sums: cute.struct.MemRange[Float32, self.groups * self.heads]
-            accs: cute.struct.Align[cute.struct.MemRange[Float32, self.groups * self.heads * self.head_dim], 16]
-            stats: cute.struct.MemRange[Float32, 2 * self.heads]
+            # First the cp.async ring, then (same bytes) the key groups' states for the merge.
+            work: cute.struct.Align[cute.struct.MemRange[Float32, work_words], 128]
             flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
@@ -320,7 +352,10 @@ class SplitKVDecode:
         self.kernel(
             mQ, mK, mV, mSeqlens, mBlockTable, mSink, mO, mLSE, mPartO, mPartLSE, mCounters,
             scale_log2, window_left, num_sink_tokens,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
+                 # Tell ptxas how many CTAs share an SM (it budgets registers for that), and
+                 # give shared memory the largest carveout: the rings of all of them must fit.
+                 min_blocks_per_mp=ctas_per_sm(self.heads, self.head_dim), preferred_smem_carveout=100)
 
     # --8<-- [start:key_row]
     @cute.jit
@@ -334,6 +369,26 @@ class SplitKVDecode:
             row = mKV[page, key % self.page_size, head_kv, None]
         return cute.local_tile(row, (VEC,), (lane,))
     # --8<-- [end:key_row]
+
+    # --8<-- [start:issue_loads]
+    @cute.jit
+    def issue_loads(self, s_ring: cute.Tensor, stage: Int32, mK: cute.Tensor, mV: cute.Tensor,
+                    mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
+                    n_sink: Int32, lo: Int32, tidx: Int32, lane: Int32):
+        """Start the cp.async copies of one iteration's keys (visible keys first + u * groups) into ring ``stage``.
+
+        Nothing waits here: the 16-byte copies run while the thread computes
+        on earlier stages. Past the split's end it re-reads the split's last
+        key (a valid row); the main loop masks its score.
+        """
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.dtype,
+                                   num_bits_per_copy=128)
+        for u in cutlass.range_constexpr(self.unroll):
+            v = cutlass.min(first + u * self.groups, v_end - 1)
+            key = Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
+            cute.copy(atom, self.key_row(mK, mBlockTable, batch, key, head_kv, lane), s_ring[stage, 0, u, tidx, None])
+            cute.copy(atom, self.key_row(mV, mBlockTable, batch, key, head_kv, lane), s_ring[stage, 1, u, tidx, None])
+    # --8<-- [end:issue_loads]
 
     @cute.kernel
     def kernel(
@@ -375,10 +430,16 @@ class SplitKVDecode:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        s_max = storage.maxes.get_tensor(cute.make_layout((groups, heads), stride=(heads, 1)))
-        s_sum = storage.sums.get_tensor(cute.make_layout((groups, heads), stride=(heads, 1)))
-        s_acc = storage.accs.get_tensor(cute.make_layout((groups, heads, d), stride=(heads * d, d, 1)))
-        s_stats = storage.stats.get_tensor(cute.make_layout((heads, 2), stride=(2, 1)))
+        # [stage, K or V, u, thread, 8 elements]: each thread's own 16-byte slots.
+        s_ring = storage.work.get_tensor(
+            cute.make_ordered_layout((STAGES, 2, self.unroll, NUM_THREADS, VEC), order=(4, 3, 2, 1, 0)),
+            dtype=self.dtype)
+        # After the main loop the ring is free: the merge reuses its bytes.
+        work = storage.work.data_ptr()
+        s_max = cute.make_tensor(work, cute.make_layout((groups, heads), stride=(heads, 1)))
+        s_sum = cute.make_tensor(work + groups * heads, cute.make_layout((groups, heads), stride=(heads, 1)))
+        s_acc = cute.make_tensor(work + 2 * groups * heads,
+                                 cute.make_layout((groups, heads, d), stride=(heads * d, d, 1)))
         s_flag = storage.flag.get_tensor(cute.make_layout(1))
 
         # --8<-- [start:query]
@@ -416,19 +477,29 @@ class SplitKVDecode:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         acc.fill(0.0)
-        # Row u of r_k / r_v: this thread's 16 bytes of key u (row-major, so one 16-byte load fills it).
+        # Row u of r_k / r_v: this thread's 16 bytes of key u, read back from its ring slots.
         r_k = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
         r_v = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
         scores = cute.make_rmem_tensor((heads, self.unroll), Float32)
+        issue_loads = self.issue_loads
+        # Prologue: the first STAGES - 1 iterations' copies start before any compute.
+        for st in cutlass.range_constexpr(STAGES - 1):
+            if st < num_iters:
+                issue_loads(s_ring, Int32(st), mK, mV, mBlockTable, batch, head_kv, v_begin + st * step + key_group,
+                            v_end, n_sink, lo, tidx, lane)
+            cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         for it in cutlass.range(num_iters, unroll=1):
+            ahead = it + STAGES - 1
+            if ahead < num_iters:  # into the slot iteration it - 1 has finished reading
+                issue_loads(s_ring, ahead % STAGES, mK, mV, mBlockTable, batch, head_kv,
+                            v_begin + ahead * step + key_group, v_end, n_sink, lo, tidx, lane)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(STAGES - 1)  # this thread's copies of iteration it have landed
+            stage = it % STAGES
             first = v_begin + it * step + key_group
-            # Issue all 2 x unroll 16-byte loads before using any: they are in flight together.
             for u in cutlass.range_constexpr(self.unroll):
-                # Past the split's end, re-read its last key (always a valid, finite row); its score is masked below.
-                v = cutlass.min(first + u * groups, v_end - 1)
-                key = Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
-                cute.autovec_copy(self.key_row(mK, mBlockTable, batch, key, head_kv, lane), r_k[u, None])
-                cute.autovec_copy(self.key_row(mV, mBlockTable, batch, key, head_kv, lane), r_v[u, None])
+                cute.autovec_copy(s_ring[stage, 0, u, tidx, None], r_k[u, None])
+                cute.autovec_copy(s_ring[stage, 1, u, tidx, None], r_v[u, None])
             for u in cutlass.range_constexpr(self.unroll):
                 valid = first + u * groups < v_end
                 for h in cutlass.range_constexpr(heads):
@@ -444,7 +515,11 @@ class SplitKVDecode:
 
         # --8<-- [start:merge_groups]
         # Every key group's (max, sum, O columns) into shared memory, then one
-        # (O, LSE) for the split, written to the fp32 workspace.
+        # (O, LSE) for the split, written to the fp32 workspace. The states go
+        # where the ring was: wait until no copy is in flight and every thread
+        # has read its last slots.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
         for h in cutlass.range_constexpr(heads):
             if lane == 0:
                 s_max[key_group, h] = row_max[h]
@@ -466,39 +541,41 @@ class SplitKVDecode:
         counter = mCounters.iterator + (batch * kv_ctas + kv_chunk)
         if arrive_and_elect_last(counter, num_splits, s_flag) == 1:
             # This CTA finished last: every split's partial is in the workspace.
-            warp = tidx // 32
-            for k in cutlass.range_constexpr((heads + NUM_THREADS // 32 - 1) // (NUM_THREADS // 32)):
-                h = warp + k * (NUM_THREADS // 32)
-                if h < heads_here:
-                    sink_log2 = Float32(0.0)
-                    if cutlass.const_expr(self.has_sink):
-                        sink_log2 = mSink[first_head + h] * LOG2_E
-                    big, inv_total, lse = combine_statistics(
-                        mPartLSE, batch, first_head + h, num_splits, sink_log2, self.has_sink)
-                    if cute.arch.lane_idx() == 0:
-                        s_stats[h, 0] = big
-                        s_stats[h, 1] = inv_total
-                        if cutlass.const_expr(self.write_lse):
-                            mLSE[batch, first_head + h] = lse * LN_2  # natural log, as the API returns it
-            cute.arch.sync_threads()
-            # O[h, col] = sum over splits of w_s * O_s[h, col], w_s = exp2(lse_s - M) / total.
-            # The split loop is outside and unrolled, so each thread keeps several
-            # independent loads in flight instead of one L2 round trip after another.
-            per_thread = (heads * d + NUM_THREADS - 1) // NUM_THREADS
-            o = cute.make_rmem_tensor((per_thread,), Float32)
+            # Each thread owns 4 columns of one head (a 16-byte load per split)
+            # and folds the splits in one pass, loads of COMBINE_LOADS splits in
+            # flight: the partials sit in L2, and this chain of L2 round trips
+            # is the end of the kernel.
+            quads = heads * d // 4
+            per_thread = (quads + NUM_THREADS - 1) // NUM_THREADS
+            o = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
+            part = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
+            state = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 2), order=(1, 0)), Float32)
             o.fill(0.0)
-            for s in cutlass.range(num_splits, unroll=max(1, 8 // per_thread)):  # about 8 loads in flight
-                for k in cutlass.range_constexpr(per_thread):
-                    e = tidx + k * NUM_THREADS
-                    h = cutlass.min(e // d, heads_here - 1)  # spare slots recompute a real head, never stored
-                    w = cute.math.exp2(load_strong(mPartLSE, (batch, first_head + h, s)) - s_stats[h, 0],
-                                       fastmath=True)
-                    o[k] = o[k] + w * load_strong(mPartO, (batch, first_head + h, s, e % d))
             for k in cutlass.range_constexpr(per_thread):
-                e = tidx + k * NUM_THREADS
-                h = e // d
-                if e < heads * d and h < heads_here:
-                    mO[batch, first_head + h, e % d] = (o[k] * s_stats[h, 1]).to(self.dtype)
+                state[k, 0] = -Float32.inf
+                state[k, 1] = Float32(0.0)
+            for s in cutlass.range(num_splits, unroll=max(1, COMBINE_LOADS // per_thread)):
+                for k in cutlass.range_constexpr(per_thread):
+                    quad = tidx + k * NUM_THREADS
+                    h = cutlass.min(quad // (d // 4), heads_here - 1)  # spare threads redo a real head, never stored
+                    cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,), (quad % (d // 4),)),
+                                      part[k, None])
+                    fold_in_split(mPartLSE[batch, first_head + h, s], part[k, None], state[k, None], o[k, None])
+            out = cute.make_rmem_tensor((4,), self.dtype)
+            for k in cutlass.range_constexpr(per_thread):
+                quad = tidx + k * NUM_THREADS
+                h = cutlass.min(quad // (d // 4), heads_here - 1)
+                sink_log2 = Float32(0.0)
+                if cutlass.const_expr(self.has_sink):
+                    sink_log2 = mSink[first_head + h] * LOG2_E
+                lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
+                if quad < quads and quad // (d // 4) < heads_here:
+                    for i in cutlass.range_constexpr(4):
+                        out[i] = o[k, i].to(self.dtype)
+                    cute.autovec_copy(out, cute.local_tile(mO[batch, first_head + h, None], (4,), (quad % (d // 4),)))
+                    if cutlass.const_expr(self.write_lse):
+                        if quad % (d // 4) == 0:
+                            mLSE[batch, first_head + h] = lse * LN_2  # natural log, as the API returns it
         # --8<-- [end:last_block]
 
 
@@ -561,17 +638,27 @@ BENCH_SHAPES = [DecodeShape(b, length, paged=paged) for paged in (False, True)
 
 
 # --8<-- [start:num_splits]
-def ctas_per_sm(heads: int) -> int:
-    """CTAs of this kernel that fit on one SM at once: 64K registers / (registers per thread x 128).
+def shared_bytes(head_dim: int, heads: int) -> int:
+    """Bytes of the kernel's SharedStorage: the work area and the last-block flag."""
+    return -(-(work_bytes(head_dim, heads) + 4) // 128) * 128
 
-    The register counts are what ptxas reports for the sm_90a build (the
-    cross-compile tests print them); more heads per CTA, more registers.
+
+def ctas_per_sm(heads: int, head_dim: int = 128) -> int:
+    """CTAs of this kernel that fit on one SM at once, by registers and by shared memory.
+
+    64K registers / (registers per thread x 128 threads), with the register
+    counts ptxas reports for the sm_90a build (the cross-compile tests check
+    them; more heads per CTA, more registers), and 228 KB of shared memory per
+    SM / (SharedStorage + the 1 KB the system reserves per CTA).
     """
     registers = -(-REGISTERS_PER_THREAD[heads] // 8) * 8  # allocated per warp in blocks of 256 = 8 per thread
-    return max(1, min(16, 65536 // (registers * NUM_THREADS)))
+    by_registers = 65536 // (registers * NUM_THREADS)
+    by_shared = SHARED_BYTES_PER_SM // (shared_bytes(head_dim, heads) + 1024)
+    return max(1, min(16, by_registers, by_shared))
 
 
-def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads: int = 4) -> int:
+def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads: int = 4,
+                    head_dim: int = 128) -> int:
     """How many CTAs share one sequence's keys when the caller passes num_splits=0.
 
     ``kv_ctas``: CTAs per sequence without splitting (KV heads x head chunks).
@@ -586,7 +673,7 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
     last wave is fullest, so that few SMs idle at the end.
     """
     base = batch * kv_ctas
-    resident = num_sms * ctas_per_sm(heads)
+    resident = num_sms * ctas_per_sm(heads, head_dim)
     most = max(1, -(-max_keys // MIN_KEYS_PER_SPLIT))
     if base < resident:
         return max(1, min(most, resident // base))
@@ -654,7 +741,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
         max_keys = shape.capacity if window_size_left < 0 else min(
             shape.capacity, window_size_left + 1 + num_sink_tokens)
         num_splits = pick_num_splits(shape.batch, kv_ctas, max_keys,
-                                     torch.cuda.get_device_properties(device).multi_processor_count, heads)
+                                     torch.cuda.get_device_properties(device).multi_processor_count, heads,
+                                     shape.head_dim)
     if out is None:
         out = q.new_empty(q.shape)
     lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None

@@ -76,7 +76,7 @@ def test_enumerated_keys_are_the_visible_keys(stage, seqlen, window, sinks):
 def test_auto_split_count(stage):
     sms, heads = 132, 4
     resident = sms * stage.ctas_per_sm(heads)                       # CTAs that run at once
-    assert stage.pick_num_splits(8, 8, 200, sms, heads) == 1        # short sequences: one split
+    assert stage.pick_num_splits(8, 8, stage.MIN_KEYS_PER_SPLIT, sms, heads) == 1  # short sequences: one split
     one_long = stage.pick_num_splits(1, 8, 131072, sms, heads)      # one long sequence: one full wave
     assert one_long * 8 <= resident < (one_long + 1) * 8
     big = stage.pick_num_splits(64, 8, 4096, sms, heads)            # a big batch: a well-filled last wave
@@ -167,13 +167,17 @@ def test_compile_matrix_covers_every_option(solution):
 def test_cross_compiles_for_sm90a(stage, dtype, head_dim, page_size, heads, has_sink, write_lse):
     report = stage.cross_compile_config(dtype, head_dim, page_size, heads, has_sink, write_lse, keep=True)
     ptx = Path(report.artifacts["ptx"]).read_text()
-    # The decode data path: 16-byte loads, shuffle reductions, and the last-block protocol.
-    assert "ld.global.v4" in ptx, "K/V rows must be read with 16-byte vector loads"
+    # The decode data path: 16-byte cp.async copies into the ring, shuffle reductions, the last-block protocol.
+    assert "cp.async.cg.shared.global" in ptx, "K/V rows must stream in with 16-byte cp.async copies"
+    assert "cp.async.wait_group" in ptx
     assert "shfl.sync.bfly" in ptx
     assert "fence.acq_rel.gpu" in ptx and "atom.global.acq_rel.add" in ptx, "arrival: fence + acq_rel atomic"
     assert "st.relaxed.gpu.global" in ptx, "the last CTA resets its counter"
-    assert "ld.relaxed.gpu.global" in ptx, "the combine reads the partials with gpu-scope loads"
+    assert "ld.global.v4" in ptx, "the combine reads the partial O with 16-byte loads"
     assert report.spill_bytes == 0, f"{report.name} spills {report.spill_bytes} bytes of registers"
+    assert report.shared_bytes == stage.shared_bytes(head_dim, heads), (
+        f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
+        f"{stage.shared_bytes(head_dim, heads)}, and the automatic split count relies on it: update it")
     assert report.registers <= stage.REGISTERS_PER_THREAD[heads], (
         f"{report.name} uses {report.registers} registers per thread; the automatic split count assumes at "
         f"most {stage.REGISTERS_PER_THREAD[heads]} (REGISTERS_PER_THREAD): update it")
@@ -298,6 +302,11 @@ def test_empty_sequences(stage):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     torch.testing.assert_close(lse[0], sink)
     testing.assert_decode_matches(out, inputs, "empty sequences with sinks", lse=lse, sink_logits=sink)
+    sink[::2] = -math.inf  # a sink that never takes weight, on an empty sequence: still 0 and -inf, not NaN
+    out, lse = stage.decode_attention(**inputs, return_lse=True, sink_logits=sink,
+                                      out=testing.poisoned_like(inputs["q"]))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0, ::2]).all()
+    testing.assert_decode_matches(out, inputs, "empty sequences with -inf sinks", lse=lse, sink_logits=sink)
 
 
 @pytest.mark.gpu
