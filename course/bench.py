@@ -134,7 +134,10 @@ def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def time_cuda_graph(fn, *, calls: int = 10, warmup: int = 3, repeats: int = 20) -> float:
+GRAPH_CALLS = 10  # decode calls per captured CUDA graph
+
+
+def time_cuda_graph(fn, *, calls: int = GRAPH_CALLS, warmup: int = 3, repeats: int = 20) -> float:
     """Median milliseconds of one ``fn()``, replayed from a CUDA graph of ``calls`` back-to-back calls.
 
     A decode call on a short cache is a few microseconds of GPU work but tens
@@ -154,16 +157,7 @@ def time_cuda_graph(fn, *, calls: int = 10, warmup: int = 3, repeats: int = 20) 
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events) / calls
+    return time_cuda(graph.replay, warmup=warmup, repeats=repeats) / calls
 
 
 def host_microseconds(fn, *, calls: int = 50) -> float:

@@ -545,8 +545,8 @@ class SplitKVDecode:
             # and folds the splits in one pass, loads of COMBINE_LOADS splits in
             # flight: the partials sit in L2, and this chain of L2 round trips
             # is the end of the kernel.
-            quads = heads * d // 4
-            per_thread = (quads + NUM_THREADS - 1) // NUM_THREADS
+            head_quads = d // 4  # 4-column pieces of one head's row
+            per_thread = (heads * head_quads + NUM_THREADS - 1) // NUM_THREADS
             o = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
             part = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
             state = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 2), order=(1, 0)), Float32)
@@ -557,24 +557,24 @@ class SplitKVDecode:
             for s in cutlass.range(num_splits, unroll=max(1, COMBINE_LOADS // per_thread)):
                 for k in cutlass.range_constexpr(per_thread):
                     quad = tidx + k * NUM_THREADS
-                    h = cutlass.min(quad // (d // 4), heads_here - 1)  # spare threads redo a real head, never stored
-                    cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,), (quad % (d // 4),)),
+                    h = cutlass.min(quad // head_quads, heads_here - 1)  # spare threads redo a real head, never stored
+                    cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,), (quad % head_quads,)),
                                       part[k, None])
                     fold_in_split(mPartLSE[batch, first_head + h, s], part[k, None], state[k, None], o[k, None])
             out = cute.make_rmem_tensor((4,), self.dtype)
             for k in cutlass.range_constexpr(per_thread):
                 quad = tidx + k * NUM_THREADS
-                h = cutlass.min(quad // (d // 4), heads_here - 1)
+                h = cutlass.min(quad // head_quads, heads_here - 1)
                 sink_log2 = Float32(0.0)
                 if cutlass.const_expr(self.has_sink):
                     sink_log2 = mSink[first_head + h] * LOG2_E
                 lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
-                if quad < quads and quad // (d // 4) < heads_here:
+                if quad // head_quads < heads_here:  # a real head (heads_here <= heads, so also a real piece)
                     for i in cutlass.range_constexpr(4):
                         out[i] = o[k, i].to(self.dtype)
-                    cute.autovec_copy(out, cute.local_tile(mO[batch, first_head + h, None], (4,), (quad % (d // 4),)))
+                    cute.autovec_copy(out, cute.local_tile(mO[batch, first_head + h, None], (4,), (quad % head_quads,)))
                     if cutlass.const_expr(self.write_lse):
-                        if quad % (d // 4) == 0:
+                        if quad % head_quads == 0:
                             mLSE[batch, first_head + h] = lse * LN_2  # natural log, as the API returns it
         # --8<-- [end:last_block]
 
