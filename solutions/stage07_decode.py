@@ -59,7 +59,7 @@ from course.compile import cross_compile, symbolic_tensor
 
 STAGE = 7
 HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (16, 32, 64, 128, 256)
+PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask
 HEADS_PER_CTA = (1, 2, 4, 8)  # query heads one CTA computes (compile-time); larger groups use several CTAs
 NUM_THREADS = 128  # 4 warps per CTA
 VEC = 8  # elements per thread per key: 8 x 16 bits = one 16-byte load
@@ -69,7 +69,6 @@ UNROLL = {1: 4, 2: 4, 4: 4, 8: 2}
 # Iterations of K/V in flight: each thread copies its 16-byte pieces of the next STAGES - 1
 # iterations' keys into its own slots of a shared-memory ring with cp.async while it computes.
 STAGES = 3
-COMBINE_LOADS = 16  # 16-byte partial-O loads each thread of the last CTA keeps in flight
 SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -101,6 +100,16 @@ def work_bytes(head_dim: int, heads: int) -> int:
     ring = STAGES * 2 * unroll(heads) * NUM_THREADS * VEC * 2
     merge = 4 * (NUM_THREADS // threads_per_key(head_dim)) * heads * (head_dim + 2)
     return max(ring, merge)
+
+
+def combine_loads(heads: int, head_dim: int) -> int:
+    """16-byte partial-O loads each thread of the last CTA keeps in flight (4 registers each).
+
+    32, so that the 32 splits of a short sequence are one L2 round trip, where
+    the registers allow it (4 or more heads per CTA, D <= 128); 16 elsewhere,
+    where 32 would spill.
+    """
+    return 32 if heads >= 4 and head_dim <= 128 else 16
 
 
 def heads_per_cta(group_size: int) -> int:
@@ -189,31 +198,37 @@ def online_softmax_update(scores: cute.Tensor, rV: cute.Tensor, row_max: cute.Te
 
 # --8<-- [start:partial]
 @cute.jit
-def split_partial(maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor, h: Int32, d: Int32):
-    """Merge the thread groups' states for (head h, column d) into the split's (O[h, d], LSE[h]).
+def split_partial(maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor, h: Int32, quad: Int32,
+                  o: cute.Tensor) -> Float32:
+    """Merge the thread groups' states for head h into the split's O (4 columns) and LSE.
 
     ``maxes[g, h]``, ``sums[g, h]``, ``accs[g, h, d]`` hold group g's running
-    max (log2 units), sum and unnormalized O. Returns O normalized by the
-    split's own sum and the split's LSE in log2 units (-inf and O = 0 when the
-    split saw no key).
+    max (log2 units), sum and unnormalized O. ``o`` receives columns
+    4 * quad .. 4 * quad + 3 of O, normalized by the split's own sum. Returns
+    the split's LSE in log2 units (-inf, and O = 0, when the split saw no key).
     """
     num_groups = cute.size(maxes, mode=[0])
-    # [exercise 7] The split's statistics: M = max over groups of maxes[g, h] (0 if -inf); w_g = exp2(maxes[g, h] - M); L = sum w_g * sums[g, h]; O = sum w_g * accs[g, h, d]. Return (O / L, M + log2(L)), and (0, -inf) when L == 0.
+    part = cute.make_rmem_tensor((4,), Float32)
+    # [exercise 7] The split's statistics: M = max over groups of maxes[g, h] (0 if -inf); w_g = exp2(maxes[g, h] - M); L = sum w_g * sums[g, h]; o = sum w_g * (group g's 4 columns of accs[g, h, :]). Then o *= 1 / L; return M + log2(L); when L == 0: o = 0 and -inf.
     big = -Float32.inf
     for g in cutlass.range_constexpr(num_groups):
         big = cute.arch.fmax(big, maxes[g, h])
     big = Float32(cutlass.select_(big == -Float32.inf, Float32(0.0), big))
     total = Float32(0.0)
-    o = Float32(0.0)
+    o.fill(0.0)
     for g in cutlass.range_constexpr(num_groups):
         w = cute.math.exp2(maxes[g, h] - big, fastmath=True)
         total = total + w * sums[g, h]
-        o = o + w * accs[g, h, d]
+        cute.autovec_copy(cute.local_tile(accs[g, h, None], (4,), (quad,)), part)
+        for i in cutlass.range_constexpr(4):
+            o[i] = o[i] + w * part[i]
     empty = total == Float32(0.0)
-    o = Float32(cutlass.select_(empty, Float32(0.0), o / total))
+    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / total))
+    for i in cutlass.range_constexpr(4):
+        o[i] = o[i] * inv_total
     lse = Float32(cutlass.select_(empty, -Float32.inf, big + cute.math.log2(total, fastmath=True)))
     # [/exercise]
-    return o, lse
+    return lse
 # --8<-- [end:partial]
 
 
@@ -224,15 +239,14 @@ def arrive_and_elect_last(counter: cute.Pointer, num_splits: Int32, s_flag: cute
 
     Call it after every thread has stored its part of the split's partial.
     The partials of all splits must be visible to the last CTA before it reads
-    them: the barrier gathers this CTA's stores into thread 0, thread 0
-    publishes them at gpu scope (fence + release) with the atomic, and the
-    atomic of the last arriver also acquires every earlier CTA's release.
+    them: the barrier orders this CTA's stores before thread 0's atomic, whose
+    release half publishes them at gpu scope, and the atomic of the last
+    arriver also acquires every earlier CTA's release.
     """
     tidx, _, _ = cute.arch.thread_idx()
     cute.arch.sync_threads()  # every thread's partial stores happen before thread 0's release
     if tidx == 0:
-        # [exercise 7] Thread 0: a gpu-scope fence, then the atomic add of 1 on the counter (acq_rel, gpu scope); it returns the count before; store 1 in s_flag[0] if this CTA is the last (old count == num_splits - 1), else 0.
-        cute.arch.fence_acq_rel_gpu()
+        # [exercise 7] Thread 0: the atomic add of 1 on the counter (acq_rel, gpu scope); it returns the count before; store 1 in s_flag[0] if this CTA is the last (old count == num_splits - 1), else 0.
         arrived_before = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
         is_last = arrived_before == num_splits - 1
         s_flag[0] = Int32(cutlass.select_(is_last, Int32(1), Int32(0)))
@@ -359,35 +373,56 @@ class SplitKVDecode:
 
     # --8<-- [start:key_row]
     @cute.jit
-    def key_row(self, mKV: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, key: Int32,
-                head_kv: Int32, lane: Int32) -> cute.Tensor:
-        """This thread's 8 elements of row ``key`` of the K (or V) cache of (batch, head_kv)."""
+    def cache_row(self, v: Int32, v_end: Int32, n_sink: Int32, lo: Int32) -> Int32:
+        """The token position of visible key ``v``; past the split's end, the split's last key (a valid row)."""
+        v = cutlass.min(v, v_end - 1)
+        return Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
+
+    @cute.jit
+    def lookup_pages(self, r_page: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, first: Int32,
+                     v_end: Int32, n_sink: Int32, lo: Int32):
+        """Paged cache: ``r_page[u]``, the pool page that holds key first + u * groups, from the block table.
+
+        The main loop calls it one iteration before the copies that need the
+        pages, so the block-table load is in flight during a whole iteration of
+        compute instead of stalling the copies behind it. Contiguous: nothing.
+        """
+        if cutlass.const_expr(self.page_size != 0):
+            for u in cutlass.range_constexpr(self.unroll):
+                row = self.cache_row(first + u * self.groups, v_end, n_sink, lo)
+                r_page[u] = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
+
+    @cute.jit
+    def key_row(self, mKV: cute.Tensor, page_or_batch: Int32, row: Int32, head_kv: Int32,
+                lane: Int32) -> cute.Tensor:
+        """This thread's 8 elements of K (or V) at token ``row`` of ``head_kv``: of sequence
+        ``page_or_batch`` in a contiguous cache, of pool page ``page_or_batch`` in a paged one."""
         if cutlass.const_expr(self.page_size == 0):
-            row = mKV[batch, key, head_kv, None]
-        else:  # paged: the block table maps the sequence's page to a page of the pool
-            page = mBlockTable[batch, key // self.page_size]
-            row = mKV[page, key % self.page_size, head_kv, None]
-        return cute.local_tile(row, (VEC,), (lane,))
+            kv_row = mKV[page_or_batch, row, head_kv, None]
+        else:
+            kv_row = mKV[page_or_batch, row & (self.page_size - 1), head_kv, None]  # row % page_size
+        return cute.local_tile(kv_row, (VEC,), (lane,))
     # --8<-- [end:key_row]
 
     # --8<-- [start:issue_loads]
     @cute.jit
     def issue_loads(self, s_ring: cute.Tensor, stage: Int32, mK: cute.Tensor, mV: cute.Tensor,
-                    mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
+                    r_page: cute.Tensor, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
                     n_sink: Int32, lo: Int32, tidx: Int32, lane: Int32):
         """Start the cp.async copies of one iteration's keys (visible keys first + u * groups) into ring ``stage``.
 
         Nothing waits here: the 16-byte copies run while the thread computes
         on earlier stages. Past the split's end it re-reads the split's last
-        key (a valid row); the main loop masks its score.
+        key (a valid row); the main loop masks its score. A paged cache takes
+        the pages from ``r_page`` (``lookup_pages``).
         """
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.dtype,
                                    num_bits_per_copy=128)
         for u in cutlass.range_constexpr(self.unroll):
-            v = cutlass.min(first + u * self.groups, v_end - 1)
-            key = Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
-            cute.copy(atom, self.key_row(mK, mBlockTable, batch, key, head_kv, lane), s_ring[stage, 0, u, tidx, None])
-            cute.copy(atom, self.key_row(mV, mBlockTable, batch, key, head_kv, lane), s_ring[stage, 1, u, tidx, None])
+            row = self.cache_row(first + u * self.groups, v_end, n_sink, lo)
+            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else r_page[u]
+            cute.copy(atom, self.key_row(mK, page_or_batch, row, head_kv, lane), s_ring[stage, 0, u, tidx, None])
+            cute.copy(atom, self.key_row(mV, page_or_batch, row, head_kv, lane), s_ring[stage, 1, u, tidx, None])
     # --8<-- [end:issue_loads]
 
     @cute.kernel
@@ -481,18 +516,28 @@ class SplitKVDecode:
         r_k = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
         r_v = cute.make_rmem_tensor(cute.make_ordered_layout((self.unroll, VEC), order=(1, 0)), self.dtype)
         scores = cute.make_rmem_tensor((heads, self.unroll), Float32)
-        issue_loads = self.issue_loads
-        # Prologue: the first STAGES - 1 iterations' copies start before any compute.
+        # Paged cache: row st < STAGES - 1 holds the pages of prologue iteration st's copies, the last
+        # row those of the next copies the loop issues.
+        r_pages = cute.make_rmem_tensor(cute.make_ordered_layout((STAGES, self.unroll), order=(1, 0)), Int32)
+        issue_loads, lookup_pages = self.issue_loads, self.lookup_pages
+        # Prologue: all the block-table loads it needs at once, then the first STAGES - 1 iterations'
+        # copies start before any compute.
+        for st in cutlass.range_constexpr(STAGES):
+            if st < num_iters:
+                lookup_pages(r_pages[st, None], mBlockTable, batch, v_begin + st * step + key_group, v_end, n_sink, lo)
         for st in cutlass.range_constexpr(STAGES - 1):
             if st < num_iters:
-                issue_loads(s_ring, Int32(st), mK, mV, mBlockTable, batch, head_kv, v_begin + st * step + key_group,
-                            v_end, n_sink, lo, tidx, lane)
+                issue_loads(s_ring, Int32(st), mK, mV, r_pages[st, None], batch, head_kv,
+                            v_begin + st * step + key_group, v_end, n_sink, lo, tidx, lane)
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
             if ahead < num_iters:  # into the slot iteration it - 1 has finished reading
-                issue_loads(s_ring, ahead % STAGES, mK, mV, mBlockTable, batch, head_kv,
+                issue_loads(s_ring, ahead % STAGES, mK, mV, r_pages[STAGES - 1, None], batch, head_kv,
                             v_begin + ahead * step + key_group, v_end, n_sink, lo, tidx, lane)
+            if ahead + 1 < num_iters:  # the next iteration's pages: the load has a whole iteration to land
+                lookup_pages(r_pages[STAGES - 1, None], mBlockTable, batch, v_begin + (ahead + 1) * step + key_group,
+                             v_end, n_sink, lo)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(STAGES - 1)  # this thread's copies of iteration it have landed
             stage = it % STAGES
@@ -527,13 +572,17 @@ class SplitKVDecode:
             for i in cutlass.range_constexpr(VEC):
                 s_acc[key_group, h, lane * VEC + i] = acc[h, i]
         cute.arch.sync_threads()
-        for k in cutlass.range_constexpr((heads * d + NUM_THREADS - 1) // NUM_THREADS):
-            e = tidx + k * NUM_THREADS
-            h, col = e // d, e % d
-            if e < heads * d and h < heads_here:
-                o, lse = split_partial(s_max, s_sum, s_acc, h, col)
-                mPartO[batch, first_head + h, split, col] = o
-                if col == 0:
+        # One thread per (head, 4 columns): the groups' weights once per head, 16-byte stores.
+        head_quads = d // 4  # 4-column pieces of one head's row
+        o_part = cute.make_rmem_tensor((4,), Float32)
+        for k in cutlass.range_constexpr((heads * head_quads + NUM_THREADS - 1) // NUM_THREADS):
+            quad = tidx + k * NUM_THREADS
+            h = cutlass.min(quad // head_quads, heads_here - 1)  # spare threads redo a real head, never stored
+            lse = split_partial(s_max, s_sum, s_acc, h, quad % head_quads, o_part)
+            if quad // head_quads < heads_here:
+                cute.autovec_copy(o_part, cute.local_tile(mPartO[batch, first_head + h, split, None], (4,),
+                                                          (quad % head_quads,)))
+                if quad % head_quads == 0:
                     mPartLSE[batch, first_head + h, split] = lse
         # --8<-- [end:merge_groups]
 
@@ -542,25 +591,35 @@ class SplitKVDecode:
         if arrive_and_elect_last(counter, num_splits, s_flag) == 1:
             # This CTA finished last: every split's partial is in the workspace.
             # Each thread owns 4 columns of one head (a 16-byte load per split)
-            # and folds the splits in one pass, loads of COMBINE_LOADS splits in
-            # flight: the partials sit in L2, and this chain of L2 round trips
-            # is the end of the kernel.
-            head_quads = d // 4  # 4-column pieces of one head's row
+            # and folds the splits in one pass, in rounds: first the loads of
+            # combine_loads() splits, all in flight at once, then their folds. The
+            # partials sit in L2, and this chain of L2 round trips is the end of
+            # the kernel.
             per_thread = (heads * head_quads + NUM_THREADS - 1) // NUM_THREADS
+            per_round = max(1, combine_loads(heads, d) // per_thread)  # splits per round
             o = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
-            part = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
             state = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 2), order=(1, 0)), Float32)
+            parts = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, per_round, 4), order=(2, 1, 0)),
+                                          Float32)
+            lses = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, per_round), order=(1, 0)), Float32)
             o.fill(0.0)
             for k in cutlass.range_constexpr(per_thread):
                 state[k, 0] = -Float32.inf
                 state[k, 1] = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=max(1, COMBINE_LOADS // per_thread)):
+            for first_split in cutlass.range(0, num_splits, per_round, unroll=1):
                 for k in cutlass.range_constexpr(per_thread):
                     quad = tidx + k * NUM_THREADS
                     h = cutlass.min(quad // head_quads, heads_here - 1)  # spare threads redo a real head, never stored
-                    cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,), (quad % head_quads,)),
-                                      part[k, None])
-                    fold_in_split(mPartLSE[batch, first_head + h, s], part[k, None], state[k, None], o[k, None])
+                    for j in cutlass.range_constexpr(per_round):
+                        # Past the last split: reload it and fold it in with LSE -inf, which adds nothing.
+                        s = cutlass.min(first_split + j, num_splits - 1)
+                        cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,),
+                                                          (quad % head_quads,)), parts[k, j, None])
+                        lses[k, j] = Float32(cutlass.select_(first_split + j < num_splits,
+                                                             mPartLSE[batch, first_head + h, s], -Float32.inf))
+                for k in cutlass.range_constexpr(per_thread):
+                    for j in cutlass.range_constexpr(per_round):
+                        fold_in_split(lses[k, j], parts[k, j, None], state[k, None], o[k, None])
             out = cute.make_rmem_tensor((4,), self.dtype)
             for k in cutlass.range_constexpr(per_thread):
                 quad = tidx + k * NUM_THREADS
