@@ -12,7 +12,7 @@ import datetime
 import json
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -137,8 +137,8 @@ def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
 GRAPH_CALLS = 10  # decode calls per captured CUDA graph
 
 
-def time_cuda_graph(fn, *, calls: int = GRAPH_CALLS, warmup: int = 3, repeats: int = 20) -> float:
-    """Median milliseconds of one ``fn()``, replayed from a CUDA graph of ``calls`` back-to-back calls.
+def capture_graph(fn, *, calls: int = GRAPH_CALLS, warmup: int = 3):
+    """A CUDA graph of ``calls`` back-to-back ``fn()`` calls, captured after ``warmup`` eager calls.
 
     A decode call on a short cache is a few microseconds of GPU work but tens
     of microseconds of Python and launch overhead: timed eagerly, it measures
@@ -157,7 +157,34 @@ def time_cuda_graph(fn, *, calls: int = GRAPH_CALLS, warmup: int = 3, repeats: i
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return time_cuda(graph.replay, warmup=warmup, repeats=repeats) / calls
+    return graph
+
+
+# --8<-- [start:time_graphs]
+def time_graphs(graphs: dict, *, calls: int = GRAPH_CALLS, warmup: int = 3, repeats: int = 20) -> dict:
+    """{name: median milliseconds of one call} for graphs of ``calls`` calls each, replayed in rounds.
+
+    Each round replays every graph once, so the kernels compared share the
+    GPU's state at each moment: when the SM clock drifts (an H100 streaming
+    memory reaches its power limit within seconds), all of them see it.
+    """
+    import torch
+
+    for _ in range(warmup):
+        for graph in graphs.values():
+            graph.replay()
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(repeats)] for name in graphs}
+    torch.cuda.synchronize()
+    for i in range(repeats):
+        for name, graph in graphs.items():
+            start, end = events[name][i]
+            start.record()
+            graph.replay()
+            end.record()
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) / calls for name, pairs in events.items()}
+# --8<-- [end:time_graphs]
 
 
 def host_microseconds(fn, *, calls: int = 50) -> float:
@@ -333,7 +360,8 @@ def decode_inputs(shape: DecodeShape, seed: int = 0):
     """q [B, H_q, D], the K/V cache of B full sequences of L tokens, seqlens and (paged) the block table.
 
     The paged cache is the contiguous one seen as B * L / page_size pages, visited
-    through a shuffled block table: no second copy of the cache in memory.
+    through a shuffled block table: no second copy of the cache in memory. The
+    contiguous and the paged shape of one (B, L) get the same q, K and V.
     """
     import torch
 
@@ -344,11 +372,24 @@ def decode_inputs(shape: DecodeShape, seed: int = 0):
     k = torch.randn(cache_shape, device="cuda", dtype=dtype, generator=gen)
     v = torch.randn(cache_shape, device="cuda", dtype=dtype, generator=gen)
     seqlens = torch.full((shape.batch,), shape.seqlen_k, dtype=torch.int32, device="cuda")
-    table = None
-    if shape.paged:
-        pages = shape.batch * shape.seqlen_k // shape.page_size
-        table = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(shape.batch, -1)
-    return q, k, v, seqlens, table
+    return q, k, v, seqlens, shuffled_block_table(shape, seed) if shape.paged else None
+
+
+def shuffled_block_table(shape: DecodeShape, seed: int = 0):
+    """[B, L / page_size] int32: the B * L / page_size pages of the cache, in a random order."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pages = shape.batch * shape.seqlen_k // shape.page_size
+    return torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(shape.batch, -1)
+
+
+def decode_groups(shapes) -> dict:
+    """{contiguous shape: [its shapes]}: the layouts of one (B, L) are timed together, on one cache."""
+    groups = {}
+    for shape in shapes:
+        groups.setdefault(replace(shape, paged=False, page_size=DecodeShape.page_size), []).append(shape)
+    return groups
 
 
 def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> dict:
@@ -356,8 +397,9 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
 
     Effective bandwidth = bytes of K and V read once / time. SDPA sees the
     contiguous cache as [B, H_kv, L, D] (a transposed view) and q as
-    [B, H_q, 1, D]; it runs once per contiguous shape. Shapes whose cache does
-    not fit in the free GPU memory are skipped.
+    [B, H_q, 1, D]. All kernels of one (B, L), both cache layouts and the
+    baselines, are timed in the same rounds (``time_graphs``). Shapes whose
+    cache does not fit in the free GPU memory are skipped.
     """
     import torch
     from torch.nn.attention import SDPBackend
@@ -369,36 +411,39 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
     modules = {number: stages.get(number).load(impl) for number in stage_numbers}
     shapes = dict.fromkeys(shape for module in modules.values() for shape in module.BENCH_SHAPES)
     rows = []
-    for shape in shapes:
+    for contiguous, group in decode_groups(shapes).items():
         free, _ = torch.cuda.mem_get_info()
-        if shape.kv_bytes * 1.15 > free:
-            print(f"  {shape.label}: skipped, the cache ({shape.kv_bytes / 2**30:.1f} GiB) does not fit "
+        if contiguous.kv_bytes * 1.15 > free:
+            print(f"  {contiguous.label}: skipped, the cache ({contiguous.kv_bytes / 2**30:.1f} GiB) does not fit "
                   f"in the free GPU memory ({free / 2**30:.1f} GiB)")
             continue
-        inputs = decode_inputs(shape)
-        kernels = {}
-        for n, m in modules.items():
-            if shape in m.BENCH_SHAPES:
-                kernels[f"stage {n}"] = (n, lambda q, k, v, s, t, m=m: m.decode_attention(
-                    q, k if t is None else k.view(-1, shape.page_size, *k.shape[2:]),
-                    v if t is None else v.view(-1, shape.page_size, *v.shape[2:]), s, block_table=t,
-                    check_lengths=False))
-        if not shape.paged:
-            kernels.update({name: (None, fn) for name, fn in baselines.items()})
-        for name, (number, fn) in kernels.items():
+        q, k, v, seqlens, _ = decode_inputs(contiguous)
+        kernels = {}  # (name, shape) -> (stage number, a call with no arguments)
+        for shape in group:
+            table = shuffled_block_table(shape) if shape.paged else None
+            kv = [x.view(-1, shape.page_size, *x.shape[2:]) if shape.paged else x for x in (k, v)]
+            for n, m in modules.items():
+                if shape in m.BENCH_SHAPES:
+                    kernels[f"stage {n}", shape] = (n, lambda m=m, kv=kv, table=table: m.decode_attention(
+                        q, *kv, seqlens, block_table=table, check_lengths=False))
+        kernels.update({(name, contiguous): (None, lambda fn=fn: fn(q, k, v)) for name, fn in baselines.items()})
+        graphs = {}
+        for key, (_, fn) in kernels.items():
             try:
-                ms = time_cuda_graph(lambda: fn(*inputs), repeats=repeats)
-                host_us = host_microseconds(lambda: fn(*inputs))
+                graphs[key] = capture_graph(fn)
             except RuntimeError as error:  # a backend that refuses the shape, or runs out of memory
-                print(f"  {name} on {shape.label}: not run ({str(error).splitlines()[0]})")
+                print(f"  {key[0]} on {key[1].label}: not run ({str(error).splitlines()[0]})")
                 torch.cuda.empty_cache()
-                continue
+        times = time_graphs(graphs, repeats=repeats)
+        for (name, shape), ms in times.items():
+            number, fn = kernels[name, shape]
+            host_us = host_microseconds(fn)
             gbps = shape.kv_bytes / ms / 1e6
             rows.append({"stage": number, "kernel": name, "shape": asdict(shape), "label": shape.label,
                          "ms": ms, "gbps": gbps, "copy_fraction": gbps / copy_gbps, "host_us": host_us})
             print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {gbps:.0f} GB/s of K and V "
                   f"({100 * gbps / copy_gbps:.0f}% of the copy bandwidth); host {host_us:.0f} us per eager call")
-        del inputs
+        del q, k, v, seqlens, graphs
         torch.cuda.empty_cache()
     return {"copy_gbps": copy_gbps, "rows": rows}
 

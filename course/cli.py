@@ -78,8 +78,11 @@ def _decode_gpu_cells(module) -> tuple[str, str]:
         numerics = "[green]pass[/]" if ok else f"[red]fail[/] (max err {report.max_error:.1e})"
         shape = bench.DecodeShape(8, 32768)
         q, k, v, seqlens, _ = bench.decode_inputs(shape)
-        ours = bench.time_cuda_graph(lambda: module.decode_attention(q, k, v, seqlens, check_lengths=False))
-        cudnn = bench.time_cuda_graph(lambda: bench.sdpa_decode(SDPBackend.CUDNN_ATTENTION)(q, k, v))
+        times = bench.time_graphs({
+            "ours": bench.capture_graph(lambda: module.decode_attention(q, k, v, seqlens, check_lengths=False)),
+            "cuDNN": bench.capture_graph(lambda: bench.sdpa_decode(SDPBackend.CUDNN_ATTENTION)(q, k, v)),
+        })
+        ours, cudnn = times["ours"], times["cuDNN"]
         speed = (f"{shape.kv_bytes / ours / 1e6:.0f} GB/s of K/V at B=8 L=32k "
                  f"(cuDNN {shape.kv_bytes / cudnn / 1e6:.0f})")
         return numerics, speed

@@ -1,11 +1,11 @@
-"""Checks of the shared course code: the reference against brute force, the skeletons."""
+"""Checks of the shared course code: the reference against brute force, the skeletons, the benchmark plan."""
 
 import math
 
 import pytest
 import torch
 
-from course import diffs, reference, skeleton, stages, validation
+from course import bench, diffs, reference, skeleton, stages, validation
 
 
 def brute_force(q, k, v, *, scale, visible, sink=None):
@@ -109,3 +109,15 @@ def test_skeleton_differs_only_in_todo_regions():
         only_learner = set(learner) - set(solution)
         assert all("TODO(stage" in line or "NotImplementedError('TODO(stage" in line for line in only_learner)
         assert any("[exercise" in line for line in only_solution)
+
+
+def test_decode_bench_times_both_layouts_of_a_shape_together():
+    """Paged rows are compared with SDPA on the contiguous cache: both must be timed in the same rounds."""
+    shapes = stages.get(7).load("solutions").BENCH_SHAPES
+    groups = bench.decode_groups(shapes)
+    timed = [s for group in groups.values() for s in group]
+    assert len(timed) == len(shapes) and set(timed) == set(shapes)
+    for contiguous, group in groups.items():
+        assert not contiguous.paged
+        assert {(s.batch, s.seqlen_k, s.paged) for s in group} == {(contiguous.batch, contiguous.seqlen_k, False),
+                                                                     (contiguous.batch, contiguous.seqlen_k, True)}
