@@ -113,25 +113,64 @@ def kernel_features(shape: PrefillShape, heads: int) -> dict:
     return features
 
 
-def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
-    """Median milliseconds of ``fn()`` measured with CUDA events.
+# --8<-- [start:time_in_rounds]
+def time_in_rounds(fns: dict, *, warmup: int = 10, repeats: int = 50) -> dict:
+    """{name: median milliseconds of one ``fn()``} measured with CUDA events, the fns called in rounds.
 
-    The calls are queued back to back and synchronized once at the end, so
-    while the host runs ahead of the GPU each pair of events brackets GPU work
-    only, for our kernels and PyTorch's alike.
+    Each round calls every fn once, so the kernels compared share the GPU's
+    state at each moment: when the SM clock drifts (an H100 reaches its power
+    limit within seconds of full load), all of them see it. The calls are queued
+    back to back and synchronized once at the end, so while the host runs ahead
+    of the GPU each pair of events brackets GPU work only, for our kernels and
+    PyTorch's alike.
     """
     import torch
 
     for _ in range(warmup):
-        fn()
+        for fn in fns.values():
+            fn()
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(repeats)] for name in fns}
     torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
+    for i in range(repeats):
+        for name, fn in fns.items():
+            start, end = events[name][i]
+            start.record()
+            fn()
+            end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+# --8<-- [end:time_in_rounds]
+
+
+def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
+    """Median milliseconds of ``fn()`` measured with CUDA events (``time_in_rounds`` of one function)."""
+    return time_in_rounds({"fn": fn}, warmup=warmup, repeats=repeats)["fn"]
+
+
+def called_once(fn):
+    """``fn``, after one call: ``runnable``'s check of an eager call."""
+    fn()
+    return fn
+
+
+def runnable(calls: dict, label: str, prepare=called_once) -> dict:
+    """{name: prepare(call)} for the calls that run on the shape ``label``.
+
+    A call whose preparation (one call, or a graph capture) raises RuntimeError,
+    a backend that refuses the shape or a feature, or runs out of memory, is
+    reported and left out.
+    """
+    import torch
+
+    ok = {}
+    for name, fn in calls.items():
+        try:
+            ok[name] = prepare(fn)
+        except RuntimeError as error:
+            print(f"  {name} on {label}: not run ({str(error).splitlines()[0]})")
+            torch.cuda.empty_cache()
+    return ok
 
 
 GRAPH_CALLS = 10  # decode calls per captured CUDA graph
@@ -160,31 +199,10 @@ def capture_graph(fn, *, calls: int = GRAPH_CALLS, warmup: int = 3):
     return graph
 
 
-# --8<-- [start:time_graphs]
 def time_graphs(graphs: dict, *, calls: int = GRAPH_CALLS, warmup: int = 3, repeats: int = 20) -> dict:
-    """{name: median milliseconds of one call} for graphs of ``calls`` calls each, replayed in rounds.
-
-    Each round replays every graph once, so the kernels compared share the
-    GPU's state at each moment: when the SM clock drifts (an H100 streaming
-    memory reaches its power limit within seconds), all of them see it.
-    """
-    import torch
-
-    for _ in range(warmup):
-        for graph in graphs.values():
-            graph.replay()
-    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                     for _ in range(repeats)] for name in graphs}
-    torch.cuda.synchronize()
-    for i in range(repeats):
-        for name, graph in graphs.items():
-            start, end = events[name][i]
-            start.record()
-            graph.replay()
-            end.record()
-    torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) / calls for name, pairs in events.items()}
-# --8<-- [end:time_graphs]
+    """{name: median milliseconds of one call} for graphs of ``calls`` calls each, replayed in rounds."""
+    times = time_in_rounds({name: graph.replay for name, graph in graphs.items()}, warmup=warmup, repeats=repeats)
+    return {name: ms / calls for name, ms in times.items()}
 
 
 def host_microseconds(fn, *, calls: int = 50) -> float:
@@ -271,14 +289,11 @@ def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) 
         features = kernel_features(shape, shape.heads)
         kernels = {f"stage {n}": (n, m.attention) for n, m in modules.items() if shape in m.BENCH_SHAPES}
         kernels.update({name: (None, fn) for name, fn in baselines.items()})
-        for name, (number, fn) in kernels.items():
-            try:
-                ms = time_cuda(lambda: fn(q, k, v, **features), repeats=repeats)
-            except RuntimeError as error:  # a backend that refuses the shape
-                print(f"  {name} on {shape.label}: not run ({str(error).splitlines()[0]})")
-                continue
+        calls = runnable({name: lambda fn=fn: fn(q, k, v, **features) for name, (_, fn) in kernels.items()},
+                         shape.label)
+        for name, ms in time_in_rounds(calls, repeats=repeats).items():
             rows.append({
-                "stage": number, "kernel": name, "shape": asdict(shape), "label": shape.label,
+                "stage": kernels[name][0], "kernel": name, "shape": asdict(shape), "label": shape.label,
                 "ms": ms, "tflops": shape.flops / ms / 1e9, "gbps": shape.bytes_moved / ms / 1e6,
             })
             print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s, "
@@ -428,12 +443,10 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
                         q, *kv, seqlens, block_table=table, check_lengths=False))
         kernels.update({(name, contiguous): (None, lambda fn=fn: fn(q, k, v)) for name, fn in baselines.items()})
         graphs = {}
-        for key, (_, fn) in kernels.items():
-            try:
-                graphs[key] = capture_graph(fn)
-            except RuntimeError as error:  # a backend that refuses the shape, or runs out of memory
-                print(f"  {key[0]} on {key[1].label}: not run ({str(error).splitlines()[0]})")
-                torch.cuda.empty_cache()
+        for shape in group:
+            calls = {name: fn for (name, of), (_, fn) in kernels.items() if of == shape}
+            graphs.update({(name, shape): graph
+                           for name, graph in runnable(calls, shape.label, prepare=capture_graph).items()})
         times = time_graphs(graphs, repeats=repeats)
         for (name, shape), ms in times.items():
             number, fn = kernels[name, shape]

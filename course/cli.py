@@ -49,13 +49,14 @@ def _gpu_cells(module) -> tuple[str, str]:
         q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
                                      shape.head_dim, getattr(torch, shape.dtype))
         features = bench.kernel_features(shape, heads=shape.heads)
-        ours = bench.time_cuda(lambda: module.attention(q, k, v, **features), repeats=10)
-        speed = f"{shape.flops / ours / 1e9:.0f} TFLOP/s"
+        calls = {"ours": lambda: module.attention(q, k, v, **features)}
         try:
-            cudnn = bench.time_cuda(lambda: bench.sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v, **features), repeats=10)
-            speed += f" (cuDNN {shape.flops / cudnn / 1e9:.0f})"
+            calls["cuDNN"] = bench.called_once(lambda: bench.sdpa(SDPBackend.CUDNN_ATTENTION)(q, k, v, **features))
         except RuntimeError:  # a feature SDPA does not have
-            speed += " (no SDPA equivalent)"
+            pass
+        times = bench.time_in_rounds(calls, repeats=10)
+        speed = f"{shape.flops / times['ours'] / 1e9:.0f} TFLOP/s"
+        speed += f" (cuDNN {shape.flops / times['cuDNN'] / 1e9:.0f})" if "cuDNN" in times else " (no SDPA equivalent)"
         return numerics, speed
     except NotImplementedError:
         return "[yellow]TODO[/]", "-"
