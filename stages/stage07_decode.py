@@ -73,6 +73,10 @@ SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 MIN_KEYS_PER_SPLIT = 128  # the auto split count never gives a split fewer keys than this
+# CTAs per SM the auto split count aims at for few sequences: 2 keep enough copies in flight to
+# stream HBM at full speed, and cost less than 3 shorter splits (fewer prologues and partials,
+# a shorter combine).
+SPLIT_CTAS_PER_SM = 2
 REGISTERS_PER_THREAD = {1: 128, 2: 128, 4: 168, 8: 248}  # most ptxas uses (sm_90a, any config), by heads per CTA
 
 
@@ -667,8 +671,8 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
     lengths, so there is no synchronization and the choice is CUDA-graph safe.
 
     Short sequences get 1 split, and no split gets fewer than
-    MIN_KEYS_PER_SPLIT keys. Few long sequences: as many splits as fill one
-    wave of resident CTAs (every SM busy, all CTAs finishing together). A batch
+    MIN_KEYS_PER_SPLIT keys. Few long sequences: as many splits as give every
+    SM SPLIT_CTAS_PER_SM CTAs, and no SM one more than the others. A batch
     that already has a wave's worth of CTAs: the split count (at most 4) whose
     last wave is fullest, so that few SMs idle at the end.
     """
@@ -676,7 +680,8 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
     resident = num_sms * ctas_per_sm(heads, head_dim)
     most = max(1, -(-max_keys // MIN_KEYS_PER_SPLIT))
     if base < resident:
-        return max(1, min(most, resident // base))
+        target = num_sms * min(SPLIT_CTAS_PER_SM, ctas_per_sm(heads, head_dim))
+        return max(1, min(most, target // base))
 
     def wave_efficiency(splits):
         waves = base * splits / resident
