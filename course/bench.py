@@ -1,6 +1,7 @@
 """Benchmarks: each stage's kernel next to PyTorch SDPA (flash and cuDNN), same GPU, same run.
 
-Timing: CUDA events around each call, after warm-up, median of many repeats.
+Timing: CUDA events around each call, after warm-up, median of many repeats,
+the kernels compared on one shape called in rounds (``time_in_rounds``).
 Results go to ``bench.json`` (with the GPU, driver and versions), ``bench.md``
 (the table the docs include) and ``bench.png`` (the plot). Never edit those by
 hand: rerun ``python -m course bench --out docs/results`` on a Hopper GPU.
@@ -443,7 +444,7 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
                         q, *kv, seqlens, block_table=table, check_lengths=False))
         kernels.update({(name, contiguous): (None, lambda fn=fn: fn(q, k, v)) for name, fn in baselines.items()})
         graphs = {}
-        for shape in group:
+        for shape in dict.fromkeys([contiguous, *group]):  # the baselines run on the contiguous shape
             calls = {name: fn for (name, of), (_, fn) in kernels.items() if of == shape}
             graphs.update({(name, shape): graph
                            for name, graph in runnable(calls, shape.label, prepare=capture_graph).items()})
