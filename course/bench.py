@@ -444,10 +444,9 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
                         q, *kv, seqlens, block_table=table, check_lengths=False))
         kernels.update({(name, contiguous): (None, lambda fn=fn: fn(q, k, v)) for name, fn in baselines.items()})
         graphs = {}
-        for shape in dict.fromkeys([contiguous, *group]):  # the baselines run on the contiguous shape
-            calls = {name: fn for (name, of), (_, fn) in kernels.items() if of == shape}
-            graphs.update({(name, shape): graph
-                           for name, graph in runnable(calls, shape.label, prepare=capture_graph).items()})
+        for (name, shape), (_, fn) in kernels.items():
+            for graph in runnable({name: fn}, shape.label, prepare=capture_graph).values():
+                graphs[name, shape] = graph
         times = time_graphs(graphs, repeats=repeats)
         for (name, shape), ms in times.items():
             number, fn = kernels[name, shape]

@@ -247,8 +247,8 @@ def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_s
     A sink adds exp2(sink - M) to the denominator only. An all-empty row (no
     visible key, no sink) has total 0: O = 0 and LSE = -inf, never NaN.
     """
-    # TODO(stage 7): With has_sink: fold the sink into state like a split with no columns (rescale state[1] and o, add exp2(sink_log2 - m) to state[1]). Then o *= 1 / state[1] (0 when the total is 0); return M + log2(total), or -inf when the total is 0.
-    raise NotImplementedError('TODO(stage 7) in finish_combine(): With has_sink: fold the sink into state like a split with no columns (rescale state[1] and o, add exp2(sink_log2 - m) to state[1]). Then o *= 1 / state[1] (0 when the total is 0); return M + log2(total), or -inf when the total is 0. Hints: docs/stages/07-decode.md')
+    # TODO(stage 7): With has_sink: fold the sink in with fold_in_split, as a split whose LSE is sink_log2 and whose columns are all 0. Then o *= 1 / state[1] (0 when the total is 0); return M + log2(total), or -inf when the total is 0.
+    raise NotImplementedError('TODO(stage 7) in finish_combine(): With has_sink: fold the sink in with fold_in_split, as a split whose LSE is sink_log2 and whose columns are all 0. Then o *= 1 / state[1] (0 when the total is 0); return M + log2(total), or -inf when the total is 0. Hints: docs/stages/07-decode.md')
     return lse
 # --8<-- [end:combine]
 
@@ -677,10 +677,11 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
     last wave is fullest, so that few SMs idle at the end.
     """
     base = batch * kv_ctas
-    resident = num_sms * ctas_per_sm(heads, head_dim)
+    per_sm = ctas_per_sm(heads, head_dim)
+    resident = num_sms * per_sm
     most = max(1, -(-max_keys // MIN_KEYS_PER_SPLIT))
     if base < resident:
-        target = num_sms * min(SPLIT_CTAS_PER_SM, ctas_per_sm(heads, head_dim))
+        target = num_sms * min(SPLIT_CTAS_PER_SM, per_sm)
         return max(1, min(most, target // base))
 
     def wave_efficiency(splits):
