@@ -1,4 +1,4 @@
-"""The course command line: ``python -m course status | check N | bench | skeletons | diffs``."""
+"""The course command line: ``python -m course status | check N | bench | sanitize | skeletons | diffs``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def main(argv=None) -> int:
     bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
     bench.add_argument("--out", default=None, help="folder for bench.json/.md/.png (default: docs/results)")
     bench.add_argument("--repeats", type=int, default=50)
+    sanitize = sub.add_parser("sanitize", help="run the stages' kernels under compute-sanitizer (Hopper GPU)")
+    sanitize.add_argument("stage", type=int, nargs="*", help="stage numbers (default: every ready stage)")
+    sanitize.add_argument("--tool", action="append", choices=("memcheck", "racecheck", "synccheck"),
+                          help="one tool (repeatable; default: all three)")
     sub.add_parser("skeletons", help="regenerate stages/ from the solutions' exercise regions")
     sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)")
     args = parser.parse_args(argv)
@@ -36,6 +40,10 @@ def main(argv=None) -> int:
             kwargs["out_dir"] = args.out
         bench_mod.run(args.stage, **kwargs)
         return 0
+    if args.command == "sanitize":
+        from course import sanitize as sanitize_mod
+
+        return sanitize_mod.main(args.stage, tuple(args.tool or sanitize_mod.TOOLS))
     if args.command == "skeletons":
         from course import skeleton
 

@@ -3,8 +3,9 @@
 Timing: CUDA events around each call, after warm-up, median of many repeats,
 the kernels compared on one shape called in rounds (``time_in_rounds``).
 Results go to ``bench.json`` (with the GPU, driver and versions), ``bench.md``
-(the table the docs include) and ``bench.png`` (the plot). Never edit those by
-hand: rerun ``python -m course bench --out docs/results`` on a Hopper GPU.
+(the tables the docs include, rendered by ``course.results``) and the plots.
+Never edit those by hand: rerun ``python -m course bench --out docs/results``
+on a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -13,95 +14,15 @@ import datetime
 import json
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from importlib import metadata
 from pathlib import Path
 
+from course import results as results_page
 from course import stages
+from course.shapes import DecodeShape, PrefillShape
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
-
-
-@dataclass(frozen=True)
-class PrefillShape:
-    batch: int
-    heads: int
-    seqlen_q: int
-    seqlen_k: int
-    head_dim: int
-    dtype: str = "float16"
-    causal: bool = False
-    window: tuple = (-1, -1)
-    sinks: bool = False  # a sink logit per head (random values)
-    lse: bool = False  # also write the per-row LSE
-
-    @property
-    def label(self) -> str:
-        label = f"B={self.batch} H={self.heads} S_q={self.seqlen_q} S_k={self.seqlen_k} D={self.head_dim} {self.dtype}"
-        if self.causal:
-            label += " causal"
-        if self.window != (-1, -1):
-            label += f" window={self.window}"
-        if self.sinks:
-            label += " sinks"
-        if self.lse:
-            label += " +LSE"
-        return label
-
-    @property
-    def features(self) -> dict:
-        """The keyword arguments that select this shape's mask in ``attention``."""
-        features = {"causal": self.causal, "window_size": self.window} if self.causal or self.window != (-1, -1) else {}
-        return {**features, "return_lse": True} if self.lse else features
-
-    @property
-    def visible_pairs(self) -> int:
-        """(query, key) pairs the mask lets through: the work any kernel must do."""
-        import numpy as np
-
-        left, right = self.window
-        if self.causal:
-            right = 0
-        diag = np.arange(self.seqlen_q) + self.seqlen_k - self.seqlen_q
-        hi = np.minimum(self.seqlen_k - 1, diag + right) if right >= 0 else np.full_like(diag, self.seqlen_k - 1)
-        lo = np.maximum(0, diag - left) if left >= 0 else np.zeros_like(diag)
-        return int(np.clip(hi - lo + 1, 0, None).sum())
-
-    @property
-    def flops(self) -> int:
-        """Two GEMMs of 2*D flops per visible (query, key) pair and head."""
-        return 4 * self.batch * self.heads * self.head_dim * self.visible_pairs
-
-    @property
-    def bytes_moved(self) -> int:
-        """Q, K, V read and O written once: the least any kernel must move."""
-        rows = 2 * self.seqlen_q + 2 * self.seqlen_k
-        return 2 * self.batch * self.heads * rows * self.head_dim
-
-
-@dataclass(frozen=True)
-class DecodeShape:
-    """One decode benchmark: B sequences of ``seqlen_k`` cached tokens, one query token each."""
-
-    batch: int
-    seqlen_k: int
-    heads_q: int = 32
-    heads_kv: int = 8
-    head_dim: int = 128
-    dtype: str = "float16"
-    paged: bool = False
-    page_size: int = 64
-
-    @property
-    def label(self) -> str:
-        layout = f"paged {self.page_size}" if self.paged else "contiguous"
-        return (f"B={self.batch} L={self.seqlen_k} H_q={self.heads_q} H_kv={self.heads_kv} "
-                f"D={self.head_dim} {self.dtype} {layout}")
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of K and V every decode kernel must read once (2 bytes per fp16/bf16 element)."""
-        return 2 * self.batch * self.seqlen_k * self.heads_kv * self.head_dim * 2
 
 
 def kernel_features(shape: PrefillShape, heads: int) -> dict:
@@ -263,6 +184,10 @@ def environment() -> dict:
 
         env["nvidia_cutlass_dsl"] = getattr(cutlass, "__version__", "unknown")
     try:
+        env["flash_attn_4"] = metadata.version("flash-attn-4")
+    except metadata.PackageNotFoundError:
+        env["flash_attn_4"] = "not installed"
+    try:
         env["driver"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True, text=True, check=True,
@@ -272,78 +197,162 @@ def environment() -> dict:
     return env
 
 
-def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
-    """Rows of {stage, kernel, shape, ms, tflops, gbps}: every stage on its BENCH_SHAPES,
-    and PyTorch SDPA (flash, cuDNN) once per distinct shape."""
-    import torch
+def fa4():
+    """FlashAttention-4's Hopper kernel (``flash-attn-4``, written in the same DSL), on the course's
+    arguments; None when it is not installed (``pip install -e .[bench]``)."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+
+    def run(q, k, v, causal=False, window_size=(-1, -1), sink_logits=None, num_sink_tokens=0, return_lse=False):
+        if num_sink_tokens:
+            raise RuntimeError("FlashAttention-4 has no sink tokens")
+        left, right = (None if side < 0 else side for side in window_size)
+        return flash_attn_func(q, k, v, causal=causal, window_size=(left, right), learnable_sink=sink_logits,
+                               return_lse=return_lse)
+
+    return run
+
+
+def baselines() -> dict:
+    """The kernels every prefill shape is compared with: PyTorch SDPA's flash (FA2) and cuDNN backends, and FA4."""
     from torch.nn.attention import SDPBackend
+
+    kernels = {"SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    if fa4() is not None:
+        kernels["FA4"] = fa4()
+    return kernels
+
+
+def time_prefill_shape(shape: PrefillShape, kernels: dict, repeats: int) -> list[dict]:
+    """Rows of {stage, kernel, shape, label, ms, tflops, gbps}: ``kernels`` ({name: (stage or None,
+    fn(q, k, v, **features))}) on one shape's random inputs, timed in the same rounds."""
+    import torch
 
     from course import testing
 
-    baselines = {"SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
-    modules = {number: stages.get(number).load(impl) for number in stage_numbers}
-    shapes = dict.fromkeys(shape for module in modules.values() for shape in module.BENCH_SHAPES)
+    q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
+                                 shape.head_dim, getattr(torch, shape.dtype))
+    features = kernel_features(shape, shape.heads)
+    calls = runnable({name: lambda fn=fn: fn(q, k, v, **features) for name, (_, fn) in kernels.items()}, shape.label)
     rows = []
-    for shape in shapes:
-        q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
-                                     shape.head_dim, getattr(torch, shape.dtype))
-        features = kernel_features(shape, shape.heads)
-        kernels = {f"stage {n}": (n, m.attention) for n, m in modules.items() if shape in m.BENCH_SHAPES}
-        kernels.update({name: (None, fn) for name, fn in baselines.items()})
-        calls = runnable({name: lambda fn=fn: fn(q, k, v, **features) for name, (_, fn) in kernels.items()},
-                         shape.label)
-        for name, ms in time_in_rounds(calls, repeats=repeats).items():
-            rows.append({
-                "stage": kernels[name][0], "kernel": name, "shape": asdict(shape), "label": shape.label,
-                "ms": ms, "tflops": shape.flops / ms / 1e9, "gbps": shape.bytes_moved / ms / 1e6,
-            })
-            print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s, "
-                  f"{rows[-1]['gbps']:.0f} GB/s")
-        del q, k, v
+    for name, ms in time_in_rounds(calls, repeats=repeats).items():
+        rows.append({"stage": kernels[name][0], "kernel": name, "shape": asdict(shape), "label": shape.label,
+                     "ms": ms, "tflops": shape.flops / ms / 1e9, "gbps": shape.bytes_moved / ms / 1e6})
+        print(f"  {name:>20} {shape.label}: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s, "
+              f"{rows[-1]['gbps']:.0f} GB/s")
+    del q, k, v
+    torch.cuda.empty_cache()
     return rows
 
 
-def markdown_table(results: dict) -> str:
-    env = results["environment"]
-    lines = [
-        f"Measured on {env['gpu']} (driver {env['driver']}), PyTorch {env['torch']} (CUDA {env['cuda']}, "
-        f"cuDNN {env['cudnn']}), nvidia-cutlass-dsl {env['nvidia_cutlass_dsl']}, {env['date']}. "
-        "Median of CUDA-event timings after warm-up.",
-        "",
-        "| shape | kernel | time (ms) | TFLOP/s | GB/s (Q, K, V, O once) | vs SDPA cuDNN |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for label in dict.fromkeys(r["label"] for r in results["rows"]):
-        group = [r for r in results["rows"] if r["label"] == label]
-        cudnn = next((r["ms"] for r in group if r["kernel"] == "SDPA cuDNN"), None)
-        for r in group:
-            ratio = f"{cudnn / r['ms']:.2f}x" if cudnn else "-"
-            lines.append(f"| {label} | {r['kernel']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['gbps']:.0f} | {ratio} |")
-    return "\n".join(lines) + "\n"
+def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
+    """Every stage on its bench shapes (next to the stage it starts from, if any), and the baselines
+    once per distinct shape, all in the same rounds."""
+    numbers = list(dict.fromkeys(list(stage_numbers) + [stages.get(n).starts_from for n in stage_numbers
+                                                        if stages.get(n).starts_from]))
+    modules = {number: stages.get(number).load(impl) for number in numbers}
+    shapes = dict.fromkeys(shape for number in stage_numbers for shape in stages.get(number).bench_shapes)
+    rows = []
+    for shape in shapes:
+        timed = [n for n in stage_numbers if shape in stages.get(n).bench_shapes]
+        timed += [stages.get(n).starts_from for n in timed if stages.get(n).starts_from]
+        kernels = {f"stage {n}": (n, modules[n].attention) for n in dict.fromkeys(timed)}
+        kernels.update({name: (None, fn) for name, fn in baselines().items()})
+        rows += time_prefill_shape(shape, kernels, repeats)
+    return rows
 
 
-def plot(results: dict, path: Path) -> None:
+def bench_ablation(*, impl: str = "solutions", repeats: int = 50) -> list[dict]:
+    """Stage 8's ablation: stage 6, then the kernel after each of stage 8's steps, next to FA4 and cuDNN."""
+    from course import prefill
+
+    stage6, stage8 = stages.get(6).load(impl), stages.get(8).load(impl)
+    rows = []
+    for shape in stages.FA3_REFERENCE:
+        kernels = {"stage 6": (6, stage6.attention)}
+        for label, kernel_class in stage8.ABLATION.items():
+            kernels[f"stage 8 {label}"] = (8, lambda q, k, v, cls=kernel_class, **f: prefill.attention(8, cls, q, k, v, **f))
+        kernels.update({name: (None, fn) for name, fn in baselines().items() if name != "SDPA flash"})
+        rows += time_prefill_shape(shape, kernels, repeats)
+    return rows
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=110, facecolor="white")  # an opaque background reads in light and dark mode alike
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+KERNEL_STYLES = {"SDPA cuDNN": ("tab:green", "s"), "SDPA flash": ("tab:gray", "v"), "FA4": ("tab:purple", "D")}
+
+
+def _style(kernel: str, index: int):
+    colors = ["tab:blue", "tab:orange", "tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+    return KERNEL_STYLES.get(kernel, (colors[index % len(colors)], "o"))
+
+
+def plot_prefill(rows: list[dict], path: Path, title: str) -> bool:
+    """The FA3 paper's figure: TFLOP/s against the sequence length, one panel per (head dim, causal),
+    at B * S = 16k and H * D = 2048 (stages.FA3_SWEEP). False when no row is on those shapes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(dict.fromkeys(r["label"] for r in results["rows"]))
-    kernels = list(dict.fromkeys(r["kernel"] for r in results["rows"]))
-    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(labels)), 4))
-    width = 0.8 / len(kernels)
-    for i, name in enumerate(kernels):
-        values = [next((r["tflops"] for r in results["rows"] if r["label"] == lab and r["kernel"] == name), 0)
-                  for lab in labels]
-        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
-    ax.set_xticks([x + width * (len(kernels) - 1) / 2 for x in range(len(labels))])
-    ax.set_xticklabels([lab.replace(" S_q", "\nS_q") for lab in labels], fontsize=8)
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"Attention forward on {results['environment']['gpu']}")
-    ax.legend()
+    seqlens = sorted({shape.seqlen_q for shape in stages.FA3_SWEEP})
+    swept = [r for r in rows if PrefillShape(**{**r["shape"], "window": tuple(r["shape"]["window"])})
+             in stages.FA3_SWEEP]
+    if not swept:
+        return False
+    panels = [(d, causal) for d in (64, 128) for causal in (False, True)]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    kernels = list(dict.fromkeys(r["kernel"] for r in swept))
+    for ax, (d, causal) in zip(axes.flat, panels):
+        for i, name in enumerate(kernels):
+            points = sorted((r["shape"]["seqlen_q"], r["tflops"]) for r in swept if r["kernel"] == name
+                            and r["shape"]["head_dim"] == d and r["shape"]["causal"] == causal)
+            if points:
+                color, marker = _style(name, i)
+                ax.plot(*zip(*points), marker=marker, color=color, label=name, linewidth=2)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
+        ax.set_title(f"head dim {d}, {'causal' if causal else 'no mask'}", fontsize=11)
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[1, 0].set_xlabel("sequence length (B x S = 16k, H x D = 2048)")
+    axes[1, 1].set_xlabel("sequence length (B x S = 16k, H x D = 2048)")
+    axes[0, 0].legend(fontsize=9)
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
+    return True
+
+
+def plot_ablation(rows: list[dict], path: Path, title: str) -> None:
+    """One group of bars per reference shape: stage 6, stage 8 after each step, FA4, cuDNN."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    width = 0.85 / len(kernels)
+    for i, name in enumerate(kernels):
+        values = [next((r["tflops"] for r in rows if r["label"] == lab and r["kernel"] == name), 0) for lab in labels]
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name, color=_style(name, i)[0])
+    ax.set_xticks([x + width * (len(kernels) - 1) / 2 for x in range(len(labels))])
+    ax.set_xticklabels([lab.replace(" S_k", "\nS_k").replace(" D=", "\nD=") for lab in labels], fontsize=8)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=4)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
 
 
 # ---------------------------------------------------------------- decode (stage 7)
@@ -425,7 +434,7 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
     copy_gbps = copy_bandwidth()
     print(f"  device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     modules = {number: stages.get(number).load(impl) for number in stage_numbers}
-    shapes = dict.fromkeys(shape for module in modules.values() for shape in module.BENCH_SHAPES)
+    shapes = dict.fromkeys(shape for number in stage_numbers for shape in stages.get(number).bench_shapes)
     rows = []
     for contiguous, group in decode_groups(shapes).items():
         free, _ = torch.cuda.mem_get_info()
@@ -439,7 +448,7 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
             table = shuffled_block_table(shape) if shape.paged else None
             kv = [x.view(-1, shape.page_size, *x.shape[2:]) if shape.paged else x for x in (k, v)]
             for n, m in modules.items():
-                if shape in m.BENCH_SHAPES:
+                if shape in stages.get(n).bench_shapes:
                     kernels[f"stage {n}", shape] = (n, lambda m=m, kv=kv, table=table: m.decode_attention(
                         q, *kv, seqlens, block_table=table, check_lengths=False))
         kernels.update({(name, contiguous): (None, lambda fn=fn: fn(q, k, v)) for name, fn in baselines.items()})
@@ -458,24 +467,7 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
                   f"({100 * gbps / copy_gbps:.0f}% of the copy bandwidth); host {host_us:.0f} us per eager call")
         del q, k, v, seqlens, graphs
         torch.cuda.empty_cache()
-    return {"copy_gbps": copy_gbps, "rows": rows}
-
-
-def decode_markdown_table(results: dict) -> str:
-    """The decode table of bench.md: the results page's decode table, with the copy bandwidth above it."""
-    from course import results as results_page
-
-    decode = results.get("decode")
-    if not decode or not decode["rows"]:
-        return ""
-    lines = [
-        "",
-        f"Decode: effective bandwidth = bytes of K and V read once / time. Device-to-device copy on the "
-        f"same GPU in the same run: {decode['copy_gbps']:.0f} GB/s (read + write). {results_page.DECODE_TIMING}",
-        "",
-        *results_page.decode_table(decode["rows"], decode["rows"]),
-    ]
-    return "\n".join(lines) + "\n"
+    return {"copy_gbps": copy_gbps, "graph_calls": GRAPH_CALLS, "rows": rows}
 
 
 def plot_decode(results: dict, path: Path) -> None:
@@ -512,15 +504,23 @@ def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutio
     prefill = [n for n in numbers if stages.get(n).kind == "prefill"]
     decode = [n for n in numbers if stages.get(n).kind == "decode"]
     results = {"environment": environment(), "rows": bench_prefill(prefill, impl=impl, repeats=repeats)}
+    if 8 in prefill:
+        results["ablation"] = bench_ablation(impl=impl, repeats=repeats)
     if decode:
         results["decode"] = bench_decode(decode, impl=impl, repeats=repeats)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out_dir / "bench.md").write_text(markdown_table(results) + decode_markdown_table(results))
-    if results["rows"]:
-        plot(results, out_dir / "bench.png")
+    results_page.render(out_dir)
+    gpu = results["environment"]["gpu"]
+    written = ["bench.json", results_page.TABLES, results_page.BENCH_MD]
+    if plot_prefill(results["rows"], out_dir / "bench-prefill.png", f"Attention forward, fp16, on {gpu}"):
+        written.append("bench-prefill.png")
+    if results.get("ablation"):
+        plot_ablation(results["ablation"], out_dir / "bench-ablation.png", f"Stage 8, step by step, on {gpu}")
+        written.append("bench-ablation.png")
     if results.get("decode", {}).get("rows"):
         plot_decode(results, out_dir / "bench-decode.png")
-    print(f"wrote {out_dir / 'bench.json'}, bench.md, bench.png" + (" and bench-decode.png" if decode else ""))
+        written.append("bench-decode.png")
+    print(f"wrote {', '.join(written)} in {out_dir}")
     return results

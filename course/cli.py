@@ -22,7 +22,7 @@ def todos_left(stage: stages.Stage, impl: str) -> int:
 def _compile_cell(module) -> str:
     """Cross-compile the stage's last configuration (every feature on); a skeleton stops at its first TODO."""
     try:
-        report = module.cross_compile_config(*module.KERNEL_CONFIGS[-1])
+        report = module.cross_compile_config(module.KERNEL_CONFIGS[-1])
     except NotImplementedError as error:
         return f"[yellow]stops at TODO[/] ({str(error).split(':')[0].split(' in ')[-1]})"
     except Exception as error:  # a learner's trace error is the useful thing to show
@@ -30,7 +30,7 @@ def _compile_cell(module) -> str:
     return f"[green]yes[/] ({report.summary()})"
 
 
-def _gpu_cells(module) -> tuple[str, str]:
+def _gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
     """(numerics, throughput) on the GPU, both with the features of the stage's first bench
     shape (its mask, sinks, LSE): one awkward shape checked, the bench shape timed."""
     import torch
@@ -39,7 +39,7 @@ def _gpu_cells(module) -> tuple[str, str]:
     from course import bench
 
     try:
-        shape = module.BENCH_SHAPES[0]
+        shape = stage.bench_shapes[0]
         q, k, v = testing.random_qkv(2, 200, 100, 8, 2, 128, torch.float16, seed=1)
         features = bench.kernel_features(shape, heads=8)
         out = module.attention(q, k, v, out=testing.poisoned_like(q), **features)
@@ -64,7 +64,7 @@ def _gpu_cells(module) -> tuple[str, str]:
         return f"[red]error[/]: {type(error).__name__}", "-"
 
 
-def _decode_gpu_cells(module) -> tuple[str, str]:
+def _decode_gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
     """(numerics, bandwidth) of a decode stage: a ragged paged batch checked, one bench shape timed."""
     import torch
     from torch.nn.attention import SDPBackend
@@ -77,7 +77,7 @@ def _decode_gpu_cells(module) -> tuple[str, str]:
         report = testing.compare_decode_with_reference(out, **inputs)
         ok = report.ok and not torch.isnan(out).any()
         numerics = "[green]pass[/]" if ok else f"[red]fail[/] (max err {report.max_error:.1e})"
-        shape = bench.DecodeShape(8, 32768)
+        shape = next(s for s in stage.bench_shapes if (s.batch, s.seqlen_k, s.paged) == (8, 32768, False))
         q, k, v, seqlens, _ = bench.decode_inputs(shape)
         times = bench.time_graphs({
             "ours": bench.capture_graph(lambda: module.decode_attention(q, k, v, seqlens, check_lengths=False)),
@@ -114,7 +114,8 @@ def status() -> int:
                     cells = [_compile_cell(module)]
                     if gpu_reason is None:
                         spinner.update(f"stage {stage.number} ({impl}): running on the GPU...")
-                        cells += list(_decode_gpu_cells(module) if stage.kind == "decode" else _gpu_cells(module))
+                        cells += list(_decode_gpu_cells(stage, module) if stage.kind == "decode"
+                                      else _gpu_cells(stage, module))
                 table.add_row(str(stage.number), stage.title, stage.adds, f"{impl}/",
                               str(todos_left(stage, impl)), *cells)
     console.print(table)

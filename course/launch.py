@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from course.compile import cute_dtype
 
-__all__ = ["cute_dtype", "compiled", "placeholder", "demo"]
+__all__ = ["cute_dtype", "compiled", "placeholder", "sm_count", "demo", "decode_demo"]
+
+H100_SMS = 132  # the SMs of an H100 SXM: what a cross-compile without a GPU assumes
 
 _CACHE: dict = {}
 
@@ -27,6 +29,19 @@ def compiled(key, make_kernel_and_args):
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         _CACHE[key] = cute.compile(kernel, *args, stream, options="--enable-tvm-ffi")
     return _CACHE[key]
+
+
+def sm_count() -> int:
+    """The number of SMs of the current GPU (a persistent kernel launches one CTA per SM).
+
+    Kernels are compiled on the GPU they run on (``compiled``), so the count
+    is that GPU's; without a GPU (a cross-compile) it is an H100's.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return H100_SMS
 
 
 _PLACEHOLDERS: dict = {}
@@ -60,3 +75,18 @@ def demo(attention, *, seqlen_q: int, seqlen_k: int, batch: int = 2, heads_q: in
     torch.cuda.synchronize()
     mask_features = {name: value for name, value in features.items() if name != "return_lse"}
     print(f"stage output {tuple(out.shape)}: {testing.compare_with_reference(out, q, k, v, **mask_features)}")
+
+
+def decode_demo(decode_attention, *, lengths, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
+                page_size=None, **features):
+    """Run a decode stage once on a ragged batch of random caches and print its error next to PyTorch's."""
+    import torch
+
+    from course import testing
+
+    if not torch.cuda.is_available():
+        raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
+    inputs = testing.random_decode_inputs(lengths, heads_q, heads_kv, head_dim, torch.float16, page_size=page_size)
+    out = decode_attention(**inputs, **features)
+    torch.cuda.synchronize()
+    print(f"decode output {tuple(out.shape)}: {testing.compare_decode_with_reference(out, **inputs, **features)}")

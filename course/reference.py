@@ -2,7 +2,7 @@
 
 This is the ground truth every kernel is tested against, so it is written for
 clarity, not speed: build the visibility mask from the definitions in
-COURSE.md, take a numerically safe softmax (with the optional sink logit in
+docs/contract.md, take a numerically safe softmax (with the optional sink logit in
 the denominator only), and return O and the natural-log LSE.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from course import validation
 
 
 def visible_keys(seqlen_q: int, seqlen_k: int, *, causal: bool = False, window_size=(-1, -1),
@@ -21,9 +23,7 @@ def visible_keys(seqlen_q: int, seqlen_k: int, *, causal: bool = False, window_s
     iff i + offset - left <= j <= i + offset + right (-1 = unbounded side);
     causal means right = 0. Keys j < num_sink_tokens ignore the left bound.
     """
-    left, right = window_size
-    if causal:
-        right = 0
+    left, right = validation.resolve_window(causal, window_size)
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     diag = i + (seqlen_k - seqlen_q)
@@ -44,7 +44,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     """
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = validation.resolve_scale(softmax_scale, d)
     group = h_q // h_kv
     qh = q.to(dtype).transpose(1, 2)                                    # [B, H_q, S_q, D]
     kh = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)   # [B, H_q, S_k, D]
@@ -117,7 +117,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     b, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = validation.resolve_scale(softmax_scale, d)
     o = torch.zeros(b, h_q, d, dtype=dtype, device=q.device)
     lse = torch.full((b, h_q), -math.inf, dtype=torch.float32, device=q.device)
     lengths = [int(n) for n in cache_seqlens.tolist()]
@@ -146,7 +146,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
 
 
 def merge_attention_states(o_a, lse_a, o_b, lse_b):
-    """Merge two results over disjoint key sets (COURSE.md): returns (O float64, LSE float32).
+    """Merge two results over disjoint key sets (docs/contract.md): returns (O float64, LSE float32).
 
     M = max(lse_a, lse_b) (0 if both are -inf), w = exp(lse - M),
     lse = M + log(w_a + w_b), O = (w_a O_a + w_b O_b) / (w_a + w_b); zero

@@ -1,13 +1,14 @@
-"""The results page's tables, generated from the benchmark's raw numbers.
+"""Every results table, generated from the benchmark's raw numbers: the one renderer.
 
 ``python -m course bench --out docs/results`` (on a Hopper GPU) writes
-``bench.json``; this module turns it into ``results-tables.md``: the
-environment (GPU, driver, versions, date) and one table per stage. The docs'
-results page includes that file. Regenerate it with
+``bench.json``; this module turns it into ``bench.md`` (every row, which the
+stage pages include) and ``results-tables.md``: the environment (GPU,
+driver, versions, date) and one table per stage, which the results page
+includes. Regenerate them with
 
-    python -m course.results            # docs/results/bench.json -> docs/results/results-tables.md
+    python -m course.results    # docs/results/bench.json -> results-tables.md and bench.md
 
-and never edit it by hand: a test checks it equals ``render()``'s output.
+and never edit them by hand: a test checks they equal ``render()``'s output.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import json
 from pathlib import Path
 
 from course import stages
-from course.bench import GRAPH_CALLS
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 TABLES = "results-tables.md"
+BENCH_MD = "bench.md"
 BASELINE = "SDPA cuDNN"
 
 
@@ -72,9 +73,10 @@ def prefill_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-DECODE_TIMING = (f"Time per call is GPU time, replayed from a CUDA graph of {GRAPH_CALLS} calls (as serving engines "
-                 "run decode); \"host\" is the Python and launch time of one eager call, which is what an eager call "
-                 "on a short cache waits for.")
+def decode_timing(decode: dict) -> str:
+    return (f"Time per call is GPU time, replayed from a CUDA graph of {decode['graph_calls']} calls (as serving "
+            "engines run decode); \"host\" is the Python and launch time of one eager call, which is what an eager "
+            "call on a short cache waits for.")
 
 
 def decode_table(rows: list[dict], all_rows: list[dict]) -> list[str]:
@@ -127,7 +129,7 @@ def tables(results: dict) -> str:
     if decode:
         lines += ["", "## Decode", "",
                   "Effective bandwidth = bytes of K and V read once / time; the dashed line of the plot is the "
-                  "device-to-device copy bandwidth measured in the same run. " + DECODE_TIMING, "",
+                  "device-to-device copy bandwidth measured in the same run. " + decode_timing(results["decode"]), "",
                   "![Decode: effective K/V bandwidth of each kernel, per shape](results/bench-decode.png)"]
         for number in _stage_numbers(decode):
             lines += ["", f"### {stage_heading(number)}", "", *decode_table(_rows_of_stage(decode, number), decode)]
@@ -136,10 +138,31 @@ def tables(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_md(results: dict) -> str:
+    """The Markdown of bench.md: every prefill row in one table, then every decode row, under the environment."""
+    env = results["environment"]
+    lines = [
+        f"Measured on {env['gpu']} (driver {env['driver']}), PyTorch {env['torch']} (CUDA {env['cuda']}, "
+        f"cuDNN {env['cudnn']}), nvidia-cutlass-dsl {env['nvidia_cutlass_dsl']}, {env['date']}. "
+        "Median of CUDA-event timings after warm-up.",
+    ]
+    if results.get("rows"):
+        lines += ["", *prefill_table(results["rows"])]
+    decode = results.get("decode")
+    if decode and decode["rows"]:
+        lines += ["", f"Decode: effective bandwidth = bytes of K and V read once / time. Device-to-device copy on "
+                  f"the same GPU in the same run: {decode['copy_gbps']:.0f} GB/s (read + write). "
+                  + decode_timing(decode), "", *decode_table(decode["rows"], decode["rows"])]
+    return "\n".join(lines) + "\n"
+
+
 def render(results_dir: Path | str = DEFAULT_DIR) -> str:
-    """Read ``bench.json`` in ``results_dir``, write ``results-tables.md`` next to it, return its text."""
+    """Read ``bench.json`` in ``results_dir``, write ``results-tables.md`` and ``bench.md`` next to it;
+    return the text of ``results-tables.md``."""
     results_dir = Path(results_dir)
-    text = tables(json.loads((results_dir / "bench.json").read_text()))
+    results = json.loads((results_dir / "bench.json").read_text())
+    (results_dir / BENCH_MD).write_text(bench_md(results))
+    text = tables(results)
     (results_dir / TABLES).write_text(text)
     return text
 
@@ -147,13 +170,13 @@ def render(results_dir: Path | str = DEFAULT_DIR) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m course.results",
-        description="Write results-tables.md (the docs' results tables) from bench.json.",
+        description="Write results-tables.md and bench.md (the docs' results tables) from bench.json.",
     )
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                         help="the folder with bench.json (default: docs/results)")
     args = parser.parse_args(argv)
     render(args.dir)
-    print(f"wrote {args.dir / TABLES} from {args.dir / 'bench.json'}")
+    print(f"wrote {args.dir / TABLES} and {args.dir / BENCH_MD} from {args.dir / 'bench.json'}")
     return 0
 
 

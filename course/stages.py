@@ -1,10 +1,16 @@
-"""The stage registry: the one list of stages that the CLI, the tests and the docs share."""
+"""The stage registry: the one list of stages that the CLI, the tests, the benchmarks and the docs share.
+
+Each entry says what the stage adds and which shapes ``course bench`` times
+it on, so a stage's kernel file holds only its kernel and its API.
+"""
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from course.shapes import DecodeShape, PrefillShape
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("stages", "solutions")
@@ -18,6 +24,8 @@ class Stage:
     adds: str
     ready: bool  # False: planned, no code yet
     kind: str = "prefill"  # "prefill": module.attention on [B, S, H, D]; "decode": module.decode_attention
+    bench_shapes: tuple = ()  # PrefillShape or DecodeShape: what `course bench` times this stage on
+    starts_from: int | None = None  # a stage this one is timed next to on its shapes (the one it improves)
 
     @property
     def module_name(self) -> str:
@@ -39,21 +47,55 @@ class Stage:
         return f"stages/{self.number:02d}-{self.slug.replace('_', '-')}.md"
 
 
+# Prefill: the reference shapes B=4, H=16, D=128 and 64, S from 1k to 16k; each later stage times
+# what its feature costs (a mask, sinks, the LSE) next to the same shape without it.
+FULL_ATTENTION = tuple(PrefillShape(4, 16, s, s, d) for d in (128, 64) for s in (1024, 4096, 16384))
+WINDOWS = (
+    *(PrefillShape(4, 16, s, s, 128, causal=True) for s in (1024, 4096, 16384)),
+    *(PrefillShape(4, 16, 16384, 16384, 128, window=(w, 0)) for w in (256, 512, 1024, 4096)),
+    # The same 16k queries against 1k keys, and against all 16k: what a window should cost.
+    PrefillShape(4, 16, 16384, 1024, 128), PrefillShape(4, 16, 16384, 16384, 128),
+)
+SINKS = (  # sinks on and off at the same shapes: the cost of the feature, and its absence when unused
+    PrefillShape(4, 16, 16384, 16384, 128, window=(1024, 0), sinks=True),
+    PrefillShape(4, 16, 16384, 16384, 128, window=(1024, 0)),
+    PrefillShape(4, 16, 4096, 4096, 128, causal=True, sinks=True),
+    PrefillShape(4, 16, 4096, 4096, 128, causal=True),
+)
+LSE = (  # writing the LSE costs one float per row: timed next to the same shape without it
+    PrefillShape(4, 16, 4096, 4096, 128, causal=True, lse=True),
+    PrefillShape(4, 16, 4096, 4096, 128, causal=True),
+)
+# Stage 8: the FA3 paper's plots, TFLOP/s against the sequence length at B * S = 16k and H * D = 2048.
+FA3_SWEEP = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, causal=causal)
+                  for d in (128, 64) for causal in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384))
+FA3_REFERENCE = (  # the shapes of the issue that set stage 8's targets
+    PrefillShape(4, 16, 4096, 4096, 128), PrefillShape(4, 16, 4096, 4096, 128, causal=True),
+    PrefillShape(2, 16, 8192, 8192, 128, causal=True), PrefillShape(4, 16, 4096, 4096, 64),
+    PrefillShape(8, 16, 2048, 2048, 128),
+)
+DECODE = tuple(DecodeShape(b, length, paged=paged) for paged in (False, True)
+               for b in (1, 8, 64) for length in (4096, 32768, 131072))
+
 STAGES = [
     Stage(1, "single_tile", "Single-tile FMHA",
-          "TMA loads, WGMMA for Q K^T and P V, softmax in registers, GQA", ready=True),
+          "TMA loads, WGMMA for Q K^T and P V, softmax in registers, GQA", ready=True,
+          # S_k = 128 is all one tile can hold: the CTA streams Q in and O out around one K/V tile.
+          bench_shapes=(PrefillShape(16, 16, 4096, 128, 128), PrefillShape(16, 16, 4096, 128, 64))),
     Stage(2, "multi_tile", "Multi-tile TMA loading",
-          "a pipelined loop over KV tiles (smem ring + mbarriers), two-pass softmax", ready=True),
+          "a pipelined loop over KV tiles (smem ring + mbarriers), two-pass softmax", ready=True,
+          bench_shapes=FULL_ATTENTION),
     Stage(3, "online_softmax", "Online softmax correction",
-          "one pass: running max and sum, rescaling O", ready=True),
+          "one pass: running max and sum, rescaling O", ready=True, bench_shapes=FULL_ATTENTION),
     Stage(4, "masking", "Sliding-window and causal masking",
-          "masks from coordinates, skipping fully masked KV tiles", ready=True),
+          "masks from coordinates, skipping fully masked KV tiles", ready=True, bench_shapes=WINDOWS),
     Stage(5, "sinks", "Attention sinks",
-          "sink logits (gpt-oss) and sink tokens (StreamingLLM)", ready=True),
+          "sink logits (gpt-oss) and sink tokens (StreamingLLM)", ready=True, bench_shapes=SINKS),
     Stage(6, "lse", "Per-row LSE and merging",
-          "log-sum-exp output and merging partial results", ready=True),
+          "log-sum-exp output and merging partial results", ready=True, bench_shapes=LSE),
     Stage(7, "decode", "Decode with split-KV",
-          "one query token, paged KV cache, multi-block reduction", ready=True, kind="decode"),
+          "one query token, paged KV cache, multi-block reduction", ready=True, kind="decode",
+          bench_shapes=DECODE),
 ]
 
 

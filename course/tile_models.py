@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from course import validation
+
 LOG2_E = math.log2(math.e)
 
 
@@ -41,7 +43,7 @@ def two_pass(q, k, v, *, softmax_scale=None, tile_n: int = 128, bug: str | None 
     """
     qh, kh, vh = _heads_first(q, k, v)
     seqlen_k = kh.shape[2]
-    scale_log2 = (softmax_scale or 1.0 / math.sqrt(q.shape[-1])) * LOG2_E
+    scale_log2 = validation.resolve_scale(softmax_scale, q.shape[-1]) * LOG2_E
     tiles = list(_kv_tiles(seqlen_k, tile_n, pin_tile_zero=bug == "tile0"))
     row_max = torch.full(qh.shape[:-1], -math.inf)
     for start, src in tiles:  # pass 1
@@ -65,7 +67,7 @@ def online(q, k, v, *, softmax_scale=None, tile_n: int = 128, bug: str | None = 
     """
     qh, kh, vh = _heads_first(q, k, v)
     seqlen_k = kh.shape[2]
-    scale_log2 = (softmax_scale or 1.0 / math.sqrt(q.shape[-1])) * LOG2_E
+    scale_log2 = validation.resolve_scale(softmax_scale, q.shape[-1]) * LOG2_E
     row_max = torch.full(qh.shape[:-1], -math.inf)
     row_sum = torch.zeros_like(row_max)
     out = torch.zeros_like(qh)
@@ -86,9 +88,7 @@ def online(q, k, v, *, softmax_scale=None, tile_n: int = 128, bug: str | None = 
 def kv_block_range(m_block: int, seqlen_q: int, seqlen_k: int, window_size=(-1, -1), causal=False,
                    tile_m: int = 128, tile_n: int = 128) -> tuple[int, int]:
     """Stage 4's [n_block_min, n_block_max) for Q tile ``m_block``, as WindowMask computes it."""
-    left, right = window_size
-    if causal:
-        right = 0
+    left, right = validation.resolve_window(causal, window_size)
     offset = seqlen_k - seqlen_q
     n_block_max, n_block_min = -(-seqlen_k // tile_n), 0
     if right >= 0:
@@ -109,7 +109,7 @@ def masked_online(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
 
     qh, kh, vh = _heads_first(q, k, v)
     seqlen_q, seqlen_k = qh.shape[2], kh.shape[2]
-    scale_log2 = (softmax_scale or 1.0 / math.sqrt(q.shape[-1])) * LOG2_E
+    scale_log2 = validation.resolve_scale(softmax_scale, q.shape[-1]) * LOG2_E
     visible = visible_keys(seqlen_q, seqlen_k, causal=causal, window_size=window_size,
                            num_sink_tokens=num_sink_tokens)
     out = torch.zeros_like(qh)

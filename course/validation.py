@@ -1,7 +1,10 @@
-"""Input validation for the attention API contract (COURSE.md).
+"""Input validation for the attention API contract (docs/contract.md).
 
 Every stage calls these before launching anything, so bad input fails with a
 message that says what was wrong and what is accepted, never inside a kernel.
+The contract's two rules that every other module applies too live here once:
+``resolve_window`` (causal means right = 0) and ``resolve_scale`` (the
+default softmax scale).
 """
 
 from __future__ import annotations
@@ -17,7 +20,19 @@ FEATURE_STAGE = {
     "sink_logits": (5, "attention sinks"),
     "num_sink_tokens": (5, "attention sinks"),
     "return_lse": (6, "per-row LSE"),
+    "seqlen_k": (2, "multi-tile TMA loading"),  # more keys than one KV tile holds
 }
+
+
+def resolve_window(causal: bool, window_size) -> tuple[int, int]:
+    """(left, right) with -1 for an unbounded side: causal is the right bound 0 (bottom-right aligned)."""
+    left, right = window_size
+    return (left, 0) if causal else (left, right)
+
+
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale: ``softmax_scale`` when given, else 1 / sqrt(head_dim)."""
+    return float(softmax_scale) if softmax_scale is not None else head_dim ** -0.5
 
 
 @dataclass(frozen=True)
@@ -142,18 +157,28 @@ def check_on_gpu(**tensors) -> None:
 
 
 def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sink_logits=None,
-                          num_sink_tokens=0, return_lse=False) -> None:
-    """Raise NotImplementedError for a feature that a later stage adds."""
+                          num_sink_tokens=0, return_lse=False, seqlen_k=0, max_seqlen_k=None) -> None:
+    """Raise NotImplementedError for a feature that a later stage adds.
+
+    ``max_seqlen_k``: the most keys the stage's kernel takes (one KV tile in
+    stage 1), or None for any number.
+    """
     used = {
         "causal": bool(causal),
         "window_size": tuple(window_size) != (-1, -1),
         "sink_logits": sink_logits is not None,
         "num_sink_tokens": num_sink_tokens != 0,
         "return_lse": bool(return_lse),
+        "seqlen_k": max_seqlen_k is not None and seqlen_k > max_seqlen_k,
     }
     for feature, on in used.items():
         added_in, title = FEATURE_STAGE[feature]
         if on and added_in > stage:
+            if feature == "seqlen_k":
+                raise NotImplementedError(
+                    f"stage {stage} handles S_k <= {max_seqlen_k} keys (one KV tile); got S_k = {seqlen_k}. "
+                    f"Stage {added_in} ({title}) adds the loop over KV tiles."
+                )
             raise NotImplementedError(
                 f"{feature} is not implemented in stage {stage}; stage {added_in} ({title}) adds it"
             )

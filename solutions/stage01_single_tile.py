@@ -31,8 +31,6 @@ Run it:
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -40,15 +38,11 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from course import launch, validation
-from course.bench import PrefillShape
-from course.compile import cross_compile, fake_attention_tensors
+from course import launch, prefill
 
 STAGE = 1
 TILE_M = 128  # query rows per CTA: two warpgroups of 64 rows (one WGMMA M each)
 TILE_N = 128  # keys per KV tile; stage 1 has exactly one
-HEAD_DIMS = (64, 128)
-LOG2_E = math.log2(math.e)
 
 
 # --8<-- [start:layouts]
@@ -201,15 +195,19 @@ def bshd_as_dim_rows(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[3, 1, 2, 0]))
 
 
-class SingleTileAttention:
+class Attention:
     """One CTA = one 128-row Q tile x the single KV tile (S_k <= 128)."""
 
     num_threads = 256  # two MMA warpgroups
+    max_seqlen_k = TILE_N  # one KV tile: stage 2 adds the loop over tiles
 
-    def __init__(self, dtype, head_dim: int):
-        self.dtype = dtype
-        self.head_dim = head_dim
+    def __init__(self, config: prefill.KernelConfig):
+        self.config = config  # what this kernel is compiled for: a feature that is off compiles out
+        self.dtype = config.cute_dtype
+        self.head_dim = config.head_dim
 
+    # Every prefill stage has this signature, so one host function (course.prefill) compiles and
+    # launches them all; a stage ignores the arguments of features it does not have yet.
     @cute.jit
     def __call__(
         self,
@@ -217,7 +215,12 @@ class SingleTileAttention:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         scale_log2: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        num_sink_tokens: cutlass.Int32,
         stream,
     ):
         dtype, d = self.dtype, self.head_dim
@@ -279,7 +282,7 @@ class SingleTileAttention:
         # --8<-- [end:grid]
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
-            scale_log2, sQ_layout, sK_layout, sV_layout,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -295,7 +298,12 @@ class SingleTileAttention:
         mV: cute.Tensor,
         tma_o: cute.CopyAtom,
         mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         scale_log2: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        num_sink_tokens: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -393,58 +401,25 @@ class SingleTileAttention:
         # --8<-- [end:epilogue]
 
 
-# --8<-- [start:configs]
-# One compiled kernel per (dtype, head_dim): batch, lengths and heads are runtime values.
-KERNEL_CONFIGS = [(dtype, d) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS]
-
-
-def kernel_and_args(torch_dtype, head_dim: int):
-    """The kernel and the symbolic arguments it is compiled with (for every shape at once)."""
-    q, k, v, o = fake_attention_tensors(torch_dtype, head_dim)
-    return SingleTileAttention(launch.cute_dtype(torch_dtype), head_dim), (q, k, v, o, cutlass.Float32(1.0))
-
-
-def cross_compile_config(dtype: str, head_dim: int, keep: bool = False):
-    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
-    import torch
-
-    kernel, args = kernel_and_args(getattr(torch, dtype), head_dim)
-    return cross_compile(kernel, *args, name=f"stage01_{dtype}_d{head_dim}", keep=keep)
-# --8<-- [end:configs]
-
-# S_k = 128 is all one tile can hold: the CTA streams Q in and O out around one K/V tile.
-BENCH_SHAPES = [PrefillShape(16, 16, 4096, 128, 128), PrefillShape(16, 16, 4096, 128, 64)]
-
-
 # --8<-- [start:api]
+KERNEL_CONFIGS = prefill.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
+
+
+def cross_compile_config(config: prefill.KernelConfig, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    return prefill.cross_compile_config(Attention, config, stage=STAGE, keep=keep)
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
               sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
-    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors (see COURSE.md for the contract).
+    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors; the contract is docs/contract.md.
 
     ``out`` (optional) receives O; tests pass a NaN-poisoned buffer to prove
-    every element is written.
+    every element is written. With ``return_lse`` returns (O, LSE [B, H_q, S_q] float32).
     """
-    shape = validation.check_attention_inputs(
-        q, k, v, softmax_scale=softmax_scale, window_size=window_size,
-        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, out=out,
-        head_dims=HEAD_DIMS,
-    )
-    validation.reject_later_features(
-        STAGE, causal=causal, window_size=window_size, sink_logits=sink_logits,
-        num_sink_tokens=num_sink_tokens, return_lse=return_lse,
-    )
-    if shape.seqlen_k > TILE_N:
-        raise NotImplementedError(
-            f"stage 1 handles S_k <= {TILE_N} keys (one KV tile); got S_k = {shape.seqlen_k}. "
-            "Stage 2 (multi-tile TMA loading) adds the loop over KV tiles."
-        )
-    validation.check_on_gpu(q=q, k=k, v=v, out=out)
-    if out is None:
-        out = q.new_empty(q.shape)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    kernel = launch.compiled(("stage01", q.dtype, shape.head_dim), lambda: kernel_and_args(q.dtype, shape.head_dim))
-    kernel(q, k, v, out, scale * LOG2_E)
-    return out
+    return prefill.attention(STAGE, Attention, q, k, v, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                             return_lse=return_lse, out=out)
 # --8<-- [end:api]
 
 

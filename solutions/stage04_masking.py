@@ -16,7 +16,7 @@ change:
   when the key is outside [row + offset - left, row + offset + right] or
   beyond S_k (``WindowMask.apply``). Fully visible tiles run unmasked.
 
-Semantics (COURSE.md): bottom-right aligned, offset = S_k - S_q; causal means
+Semantics (docs/contract.md): bottom-right aligned, offset = S_k - S_q; causal means
 right = 0; -1 leaves a side unbounded, and an unbounded side compiles out.
 Rows that see no key at all (causal with S_q > S_k, or a window that ends
 before key 0) produce O = 0: the softmax and the normalization guard the
@@ -29,8 +29,6 @@ Run it:
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -39,9 +37,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from course import launch, validation
-from course.bench import PrefillShape
-from course.compile import cross_compile, fake_attention_tensors
+from course import launch, prefill
 
 STAGE = 4
 TILE_M = 128  # query rows per CTA: two warpgroups of 64 rows (one WGMMA M each)
@@ -49,8 +45,6 @@ TILE_N = 128  # keys per KV tile
 KV_STAGES = 2  # buffers in each of the K and V rings
 MMA_WARPS = 8  # the two consumer warpgroups; each warp releases a buffer once
 PRODUCER_REGS, MMA_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 <= 64K registers
-HEAD_DIMS = (64, 128)
-LOG2_E = math.log2(math.e)
 
 
 # --8<-- [start:layouts]
@@ -127,19 +121,19 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
 
 # --8<-- [start:mask]
 class WindowMask:
-    """Which keys the rows of this CTA's Q tile may see (bottom-right aligned, COURSE.md).
+    """Which keys the rows of this CTA's Q tile may see (bottom-right aligned, docs/contract.md).
 
     With offset = S_k - S_q, row i sees key j iff j < S_k and
     i + offset - left <= j <= i + offset + right. An unbounded side (-1) is
     compiled out through ``has_left`` / ``has_right``.
     """
 
-    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, has_left: bool, has_right: bool):
+    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, config):
         self.row0 = m_block * TILE_M
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.offset = seqlen_k - seqlen_q
         self.left, self.right = left, right
-        self.has_left, self.has_right = has_left, has_right
+        self.has_left, self.has_right = config.has_left, config.has_right
 
     # --8<-- [start:block_range]
     @cute.jit
@@ -336,16 +330,18 @@ def bshd_as_dim_rows(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[3, 1, 2, 0]))
 
 
-class MaskedAttention:
+class Attention:
     """One CTA = one 128-row Q tile x the KV tiles its rows can see, with in-kernel masks."""
 
     num_threads = 384  # warpgroup 0: TMA producer; warpgroups 1-2: MMA consumers
 
-    def __init__(self, dtype, head_dim: int, has_left: bool, has_right: bool):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.has_left, self.has_right = has_left, has_right  # an unbounded side compiles out
+    def __init__(self, config: prefill.KernelConfig):
+        self.config = config  # what this kernel is compiled for: a feature that is off compiles out
+        self.dtype = config.cute_dtype
+        self.head_dim = config.head_dim
 
+    # Every prefill stage has this signature, so one host function (course.prefill) compiles and
+    # launches them all; a stage ignores the arguments of features it does not have yet.
     @cute.jit
     def __call__(
         self,
@@ -353,9 +349,12 @@ class MaskedAttention:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        num_sink_tokens: cutlass.Int32,
         stream,
     ):
         dtype, d = self.dtype, self.head_dim
@@ -413,7 +412,7 @@ class MaskedAttention:
         # --8<-- [end:grid]
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
-            scale_log2, window_left, window_right, sQ_layout, sK_layout, sV_layout,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -429,9 +428,12 @@ class MaskedAttention:
         mV: cute.Tensor,
         tma_o: cute.CopyAtom,
         mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
+        num_sink_tokens: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -442,8 +444,7 @@ class MaskedAttention:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
         # --8<-- [start:range]
-        mask = WindowMask(m_block, mQ.shape[0], mK.shape[0], window_left, window_right,
-                          self.has_left, self.has_right)
+        mask = WindowMask(m_block, mQ.shape[0], mK.shape[0], window_left, window_right, self.config)
         n_block_min, n_block_max = mask.kv_block_range()  # producer and consumers walk the same tiles
         # --8<-- [end:range]
 
@@ -564,66 +565,25 @@ class MaskedAttention:
             # --8<-- [end:epilogue]
 
 
-# --8<-- [start:configs]
-# One compiled kernel per (dtype, head_dim, bounded left side, bounded right side): batch,
-# lengths, heads and the window sizes are runtime values; an unbounded side compiles out.
-WINDOW_SIDES = [(False, False), (False, True), (True, False), (True, True)]
-KERNEL_CONFIGS = [(dtype, d, left, right) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS
-                  for left, right in WINDOW_SIDES]
-
-
-def kernel_and_args(torch_dtype, head_dim: int, has_left: bool, has_right: bool):
-    """The kernel and the symbolic arguments it is compiled with (for every shape at once)."""
-    q, k, v, o = fake_attention_tensors(torch_dtype, head_dim)
-    kernel = MaskedAttention(launch.cute_dtype(torch_dtype), head_dim, has_left, has_right)
-    return kernel, (q, k, v, o, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0))
-
-
-def cross_compile_config(dtype: str, head_dim: int, has_left: bool, has_right: bool, keep: bool = False):
-    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
-    import torch
-
-    kernel, args = kernel_and_args(getattr(torch, dtype), head_dim, has_left, has_right)
-    sides = f"{'L' if has_left else ''}{'R' if has_right else ''}" or "full"
-    return cross_compile(kernel, *args, name=f"stage04_{dtype}_d{head_dim}_{sides}", keep=keep)
-# --8<-- [end:configs]
-
-BENCH_SHAPES = [
-    *(PrefillShape(4, 16, s, s, 128, causal=True) for s in (1024, 4096, 16384)),
-    *(PrefillShape(4, 16, 16384, 16384, 128, window=(w, 0)) for w in (256, 512, 1024, 4096)),
-    # The same 16k queries against 1k keys, and against all 16k: what a window should cost.
-    PrefillShape(4, 16, 16384, 1024, 128), PrefillShape(4, 16, 16384, 16384, 128),
-]
-
-
 # --8<-- [start:api]
+KERNEL_CONFIGS = prefill.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
+
+
+def cross_compile_config(config: prefill.KernelConfig, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    return prefill.cross_compile_config(Attention, config, stage=STAGE, keep=keep)
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
               sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
-    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors (see COURSE.md for the contract).
+    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors; the contract is docs/contract.md.
 
     ``out`` (optional) receives O; tests pass a NaN-poisoned buffer to prove
-    every element is written.
+    every element is written. With ``return_lse`` returns (O, LSE [B, H_q, S_q] float32).
     """
-    shape = validation.check_attention_inputs(
-        q, k, v, softmax_scale=softmax_scale, window_size=window_size,
-        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, out=out,
-        head_dims=HEAD_DIMS,
-    )
-    validation.reject_later_features(
-        STAGE, causal=causal, window_size=window_size, sink_logits=sink_logits,
-        num_sink_tokens=num_sink_tokens, return_lse=return_lse,
-    )
-    validation.check_on_gpu(q=q, k=k, v=v, out=out)
-    if out is None:
-        out = q.new_empty(q.shape)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    left, right = window_size
-    if causal:
-        right = 0
-    config = (q.dtype, shape.head_dim, left >= 0, right >= 0)
-    kernel = launch.compiled(("stage04", *config), lambda: kernel_and_args(*config))
-    kernel(q, k, v, out, scale * LOG2_E, left, right)
-    return out
+    return prefill.attention(STAGE, Attention, q, k, v, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                             return_lse=return_lse, out=out)
 # --8<-- [end:api]
 
 

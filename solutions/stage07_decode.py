@@ -46,6 +46,7 @@ Run it:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -54,8 +55,7 @@ from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 from cutlass.memory import SmemAllocator
 
 from course import launch, validation
-from course.bench import DecodeShape
-from course.compile import cross_compile, symbolic_tensor
+from course.compile import cross_compile, cute_dtype, symbolic_tensor
 
 STAGE = 7
 HEAD_DIMS = (64, 128, 256)
@@ -313,18 +313,17 @@ class SplitKVDecode:
 
     num_threads = NUM_THREADS
 
-    def __init__(self, dtype, head_dim: int, heads_per_cta: int, page_size: int = 0,
-                 has_sink: bool = False, write_lse: bool = False):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.heads = heads_per_cta
-        self.page_size = page_size  # 0: contiguous cache
-        self.has_sink = has_sink
-        self.write_lse = write_lse
-        self.tpk = threads_per_key(head_dim)
+    def __init__(self, config: "DecodeConfig"):
+        self.dtype = config.cute_dtype
+        self.head_dim = config.head_dim
+        self.heads = config.heads
+        self.page_size = config.page_size  # 0: contiguous cache
+        self.has_sink = config.has_sink
+        self.write_lse = config.write_lse
+        self.tpk = threads_per_key(config.head_dim)
         self.groups = NUM_THREADS // self.tpk
-        self.unroll = unroll(heads_per_cta)
-        self.keys_per_iter = keys_per_iteration(head_dim, heads_per_cta)
+        self.unroll = unroll(config.heads)
+        self.keys_per_iter = keys_per_iteration(config.head_dim, config.heads)
 
     @cute.jit
     def __call__(
@@ -639,8 +638,31 @@ class SplitKVDecode:
 
 
 # --8<-- [start:configs]
-# One compiled kernel per (dtype, head_dim, cache layout, heads per CTA, sinks, LSE output);
-# batch, lengths, head counts, page count and split count are runtime values.
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What one compiled decode kernel is specialized for; batch, lengths, head counts, the page
+    count and the split count are runtime values."""
+
+    dtype: str = "float16"
+    head_dim: int = 128
+    page_size: int = 0         # 0: a contiguous cache; else the (compile-time) page size of a paged one
+    heads: int = 4             # query heads one CTA computes (HEADS_PER_CTA)
+    has_sink: bool = False     # sink logits
+    write_lse: bool = False    # also write the LSE
+
+    @property
+    def cute_dtype(self):
+        import torch
+
+        return cute_dtype(getattr(torch, self.dtype))
+
+    @property
+    def name(self) -> str:
+        layout = f"paged{self.page_size}" if self.page_size else "contiguous"
+        return (f"{self.dtype}_d{self.head_dim}_{layout}_h{self.heads}"
+                f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}")
+
+
 def fake_decode_tensors(torch_dtype, head_dim: int, page_size: int):
     import torch
 
@@ -668,32 +690,32 @@ def fake_decode_tensors(torch_dtype, head_dim: int, page_size: int):
     return q, k, v, seqlens, block_table, sink, o, lse, part_o, part_lse, counters
 
 
-def kernel_and_args(torch_dtype, head_dim: int, page_size: int = 0, heads: int = 4,
-                    has_sink: bool = False, write_lse: bool = False):
+def kernel_and_args(config: DecodeConfig):
     """The kernel and the symbolic arguments it is compiled with (for every batch, length and head count)."""
-    tensors = fake_decode_tensors(torch_dtype, head_dim, page_size)
-    kernel = SplitKVDecode(launch.cute_dtype(torch_dtype), head_dim, heads, page_size, has_sink, write_lse)
-    return kernel, (*tensors, Float32(1.0), Int32(-1), Int32(0))
-
-
-KERNEL_CONFIGS = [(dtype, d, page) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS
-                  for page in (0, *PAGE_SIZES)]
-
-
-def cross_compile_config(dtype: str, head_dim: int, page_size: int = 0, heads: int = 4,
-                         has_sink: bool = False, write_lse: bool = False, keep: bool = False):
-    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
     import torch
 
-    kernel, args = kernel_and_args(getattr(torch, dtype), head_dim, page_size, heads, has_sink, write_lse)
-    name = (f"stage07_{dtype}_d{head_dim}_{'paged' + str(page_size) if page_size else 'contiguous'}"
-            f"_h{heads}{'_sink' if has_sink else ''}{'_lse' if write_lse else ''}")
-    return cross_compile(kernel, *args, name=name, keep=keep)
+    tensors = fake_decode_tensors(getattr(torch, config.dtype), config.head_dim, config.page_size)
+    return SplitKVDecode(config), (*tensors, Float32(1.0), Int32(-1), Int32(0))
+
+
+def compile_matrix() -> list[DecodeConfig]:
+    """Every dtype x head dim x cache layout (contiguous and each page size); the heads per CTA and
+    the compiled-out features (sinks, LSE) rotate so that each value meets every head dim."""
+    flags = [(False, False), (True, False), (False, True), (True, True)]
+    layouts = [(dtype, d, page) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS for page in (0, *PAGE_SIZES)]
+    return [DecodeConfig(dtype, d, page, HEADS_PER_CTA[i % len(HEADS_PER_CTA)],
+                         *flags[(i // len(HEADS_PER_CTA) + i) % len(flags)])
+            for i, (dtype, d, page) in enumerate(layouts)]
+
+
+KERNEL_CONFIGS = compile_matrix()
+
+
+def cross_compile_config(config: DecodeConfig, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    kernel, args = kernel_and_args(config)
+    return cross_compile(kernel, *args, name=f"stage{STAGE:02d}_{config.name}", keep=keep)
 # --8<-- [end:configs]
-
-
-BENCH_SHAPES = [DecodeShape(b, length, paged=paged) for paged in (False, True)
-                for b in (1, 8, 64) for length in (4096, 32768, 131072)]
 
 
 # --8<-- [start:num_splits]
@@ -775,7 +797,7 @@ def counters_for(device, count: int):
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
                      return_lse=False, out=None, check_lengths=True):
-    """One query token per sequence against its KV cache (see COURSE.md for the contract).
+    """One query token per sequence against its KV cache; the contract is docs/contract.md.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
     page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
@@ -812,10 +834,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     counters = counters_for(device, shape.batch * kv_ctas)
     page_size = shape.page_size if block_table is not None else 0
     has_sink = sink_logits is not None
-    key = ("stage07", q.dtype, shape.head_dim, page_size, heads, has_sink, return_lse)
-    kernel = launch.compiled(key, lambda: kernel_and_args(q.dtype, shape.head_dim, page_size, heads,
-                                                          has_sink, return_lse))
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
+    config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, page_size, heads, has_sink,
+                          bool(return_lse))
+    kernel = launch.compiled((SplitKVDecode, config), lambda: kernel_and_args(config))
+    scale = validation.resolve_scale(softmax_scale, shape.head_dim)
     kernel(q, k_cache, v_cache, cache_seqlens,
            block_table if block_table is not None else launch.placeholder(device, (1, 1), torch.int32),
            sink_logits if has_sink else launch.placeholder(device, (1,)),
@@ -840,7 +862,7 @@ def split_kv_model(q, k_cache, v_cache, cache_seqlens, *, block_table=None, soft
     b, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
-    scale = (softmax_scale if softmax_scale is not None else d ** -0.5) * LOG2_E
+    scale = validation.resolve_scale(softmax_scale, d) * LOG2_E
     o = torch.zeros(b, h_q, d, dtype=torch.float64)
     lse_out = torch.full((b, h_q), -math.inf, dtype=torch.float64)
     for bi in range(b):
@@ -882,13 +904,4 @@ def split_kv_model(q, k_cache, v_cache, cache_seqlens, *, block_table=None, soft
 
 
 if __name__ == "__main__":
-    import torch
-
-    from course import testing
-
-    if not torch.cuda.is_available():
-        raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
-    inputs = testing.random_decode_inputs([1, 300, 5000, 70000], 32, 8, 128, torch.float16, page_size=64)
-    out = decode_attention(**inputs)
-    torch.cuda.synchronize()
-    print(f"stage 7 output {tuple(out.shape)}: {testing.compare_decode_with_reference(out, **inputs)}")
+    launch.decode_demo(decode_attention, lengths=[1, 300, 5000, 70000], page_size=64)

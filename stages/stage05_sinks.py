@@ -34,9 +34,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from course import launch, validation
-from course.bench import PrefillShape
-from course.compile import cross_compile, fake_attention_tensors, symbolic_tensor
+from course import launch, prefill
 
 STAGE = 5
 TILE_M = 128  # query rows per CTA: two warpgroups of 64 rows (one WGMMA M each)
@@ -44,7 +42,6 @@ TILE_N = 128  # keys per KV tile
 KV_STAGES = 2  # buffers in each of the K and V rings
 MMA_WARPS = 8  # the two consumer warpgroups; each warp releases a buffer once
 PRODUCER_REGS, MMA_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 <= 64K registers
-HEAD_DIMS = (64, 128)
 LOG2_E = math.log2(math.e)
 
 
@@ -122,22 +119,21 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
 
 # --8<-- [start:mask]
 class WindowMask:
-    """Which keys the rows of this CTA's Q tile may see (bottom-right aligned, COURSE.md).
+    """Which keys the rows of this CTA's Q tile may see (bottom-right aligned, docs/contract.md).
 
     With offset = S_k - S_q, row i sees key j iff j < S_k and
     i + offset - left <= j <= i + offset + right. An unbounded side (-1) is
     compiled out through ``has_left`` / ``has_right``.
     """
 
-    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens,
-                 has_left: bool, has_right: bool, has_sink_tokens: bool):
+    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config):
         self.row0 = m_block * TILE_M
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.offset = seqlen_k - seqlen_q
         self.left, self.right = left, right
         self.num_sink_tokens = num_sink_tokens  # keys below it ignore the left bound
-        self.has_left, self.has_right = has_left, has_right
-        self.has_sink_tokens = has_sink_tokens
+        self.has_left, self.has_right = config.has_left, config.has_right
+        self.has_sink_tokens = config.has_sink_tokens
 
     # --8<-- [start:block_range]
     @cute.jit
@@ -373,18 +369,18 @@ def bshd_as_dim_rows(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[3, 1, 2, 0]))
 
 
-class SinkAttention:
+class Attention:
     """Stage 4's kernel plus sink logits and sink tokens, each compiled out when unused."""
 
     num_threads = 384  # warpgroup 0: TMA producer; warpgroups 1-2: MMA consumers
 
-    def __init__(self, dtype, head_dim: int, has_left: bool, has_right: bool, has_sink_logits: bool,
-                 has_sink_tokens: bool):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.has_left, self.has_right = has_left, has_right  # an unbounded side compiles out
-        self.has_sink_logits, self.has_sink_tokens = has_sink_logits, has_sink_tokens
+    def __init__(self, config: prefill.KernelConfig):
+        self.config = config  # what this kernel is compiled for: a feature that is off compiles out
+        self.dtype = config.cute_dtype
+        self.head_dim = config.head_dim
 
+    # Every prefill stage has this signature, so one host function (course.prefill) compiles and
+    # launches them all; a stage ignores the arguments of features it does not have yet.
     @cute.jit
     def __call__(
         self,
@@ -392,6 +388,7 @@ class SinkAttention:
         mK: cute.Tensor,
         mV: cute.Tensor,
         mO: cute.Tensor,
+        mLSE: cute.Tensor,
         mSinks: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
@@ -454,7 +451,7 @@ class SinkAttention:
         # --8<-- [end:grid]
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
-            mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -470,6 +467,7 @@ class SinkAttention:
         mV: cute.Tensor,
         tma_o: cute.CopyAtom,
         mO: cute.Tensor,
+        mLSE: cute.Tensor,
         mSinks: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
@@ -486,7 +484,7 @@ class SinkAttention:
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
         # --8<-- [start:range]
         mask = WindowMask(m_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
-                          self.has_left, self.has_right, self.has_sink_tokens)
+                          self.config)
         n_block_min, n_block_max = mask.kv_block_range()
         n_sink_blocks = mask.sink_block_count(n_block_min)  # sink tiles below the window's range
         n_tiles = n_sink_blocks + n_block_max - n_block_min  # producer and consumers walk the same tiles
@@ -589,9 +587,9 @@ class SinkAttention:
                             row_sum, scale_log2, self.dtype)
             quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
             sink_log2 = cutlass.Float32(0.0)
-            if cutlass.const_expr(self.has_sink_logits):
+            if cutlass.const_expr(self.config.has_sink_logits):
                 sink_log2 = mSinks[head] * LOG2_E  # natural-log units, never scaled by softmax_scale
-            normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, self.has_sink_logits)
+            normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, self.config.has_sink_logits)
             # --8<-- [end:consumer]
 
             # --8<-- [start:epilogue]
@@ -614,80 +612,25 @@ class SinkAttention:
             # --8<-- [end:epilogue]
 
 
-# --8<-- [start:configs]
-# One compiled kernel per (dtype, head_dim, bounded left side, bounded right side, sink logits,
-# sink tokens): batch, lengths, heads, window and sink counts are runtime values; every feature
-# that is off compiles out. Sink tokens only matter under a left bound.
-FEATURE_FLAGS = [(left, right, logits, tokens) for left in (False, True) for right in (False, True)
-                 for logits in (False, True) for tokens in ((False, True) if left else (False,))]
-KERNEL_CONFIGS = [(dtype, d, *flags) for dtype in ("float16", "bfloat16") for d in HEAD_DIMS
-                  for flags in FEATURE_FLAGS]
-
-
-def kernel_and_args(torch_dtype, head_dim: int, has_left: bool, has_right: bool, has_sink_logits: bool,
-                    has_sink_tokens: bool):
-    """The kernel and the symbolic arguments it is compiled with (for every shape at once)."""
-    import torch
-
-    symbols: dict = {}
-    q, k, v, o = fake_attention_tensors(torch_dtype, head_dim, symbols)
-    sinks = symbolic_tensor(torch.float32, ("H_q",), symbols=symbols, align=4, stride_divisibility=1)
-    kernel = SinkAttention(launch.cute_dtype(torch_dtype), head_dim, has_left, has_right, has_sink_logits,
-                           has_sink_tokens)
-    return kernel, (q, k, v, o, sinks, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0))
-
-
-def cross_compile_config(dtype: str, head_dim: int, has_left: bool, has_right: bool, has_sink_logits: bool,
-                         has_sink_tokens: bool, keep: bool = False):
-    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
-    import torch
-
-    kernel, args = kernel_and_args(getattr(torch, dtype), head_dim, has_left, has_right, has_sink_logits,
-                                   has_sink_tokens)
-    features = "".join(flag for flag, on in zip("LRST", (has_left, has_right, has_sink_logits, has_sink_tokens))
-                       if on) or "full"
-    return cross_compile(kernel, *args, name=f"stage05_{dtype}_d{head_dim}_{features}", keep=keep)
-# --8<-- [end:configs]
-
-# Sinks on and off at the same shapes: the cost of the feature, and its absence when unused.
-BENCH_SHAPES = [
-    PrefillShape(4, 16, 16384, 16384, 128, window=(1024, 0), sinks=True),
-    PrefillShape(4, 16, 16384, 16384, 128, window=(1024, 0)),
-    PrefillShape(4, 16, 4096, 4096, 128, causal=True, sinks=True),
-    PrefillShape(4, 16, 4096, 4096, 128, causal=True),
-]
-
-
 # --8<-- [start:api]
+KERNEL_CONFIGS = prefill.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
+
+
+def cross_compile_config(config: prefill.KernelConfig, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    return prefill.cross_compile_config(Attention, config, stage=STAGE, keep=keep)
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
               sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
-    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors (see COURSE.md for the contract).
+    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors; the contract is docs/contract.md.
 
     ``out`` (optional) receives O; tests pass a NaN-poisoned buffer to prove
-    every element is written.
+    every element is written. With ``return_lse`` returns (O, LSE [B, H_q, S_q] float32).
     """
-    shape = validation.check_attention_inputs(
-        q, k, v, softmax_scale=softmax_scale, window_size=window_size,
-        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, out=out,
-        head_dims=HEAD_DIMS,
-    )
-    validation.reject_later_features(
-        STAGE, causal=causal, window_size=window_size, sink_logits=sink_logits,
-        num_sink_tokens=num_sink_tokens, return_lse=return_lse,
-    )
-    validation.check_on_gpu(q=q, k=k, v=v, out=out)
-    if out is None:
-        out = q.new_empty(q.shape)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(shape.head_dim)
-    left, right = window_size
-    if causal:
-        right = 0
-    config = (q.dtype, shape.head_dim, left >= 0, right >= 0, sink_logits is not None,
-              left >= 0 and num_sink_tokens > 0)
-    kernel = launch.compiled(("stage05", *config), lambda: kernel_and_args(*config))
-    sinks = sink_logits if sink_logits is not None else launch.placeholder(q.device, (shape.heads_q,))
-    kernel(q, k, v, out, sinks, scale * LOG2_E, left, right, num_sink_tokens)
-    return out
+    return prefill.attention(STAGE, Attention, q, k, v, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                             return_lse=return_lse, out=out)
 # --8<-- [end:api]
 
 

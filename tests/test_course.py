@@ -48,9 +48,7 @@ def test_reference_matches_brute_force(s_q, s_k, case):
     v = torch.randn(2, s_k, 2, 8, generator=gen)
     features = dict(case)
     sink = torch.randn(4, generator=gen) * 3 if features.pop("sink_logits", False) else None
-    left, right = features.get("window_size", (-1, -1))
-    if features.get("causal"):
-        right = 0
+    left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
     n_sink, offset = features.get("num_sink_tokens", 0), s_k - s_q
 
     def visible(i, j):
@@ -98,7 +96,7 @@ def test_skeleton_fails_with_its_todo(stage):
     """The untouched skeleton imports, and compiling it stops at the first TODO with its hint."""
     module = stage.load("stages")
     with pytest.raises(NotImplementedError, match=rf"TODO\(stage {stage.number}\) in \w+\(\)"):
-        module.cross_compile_config(*module.KERNEL_CONFIGS[-1])
+        module.cross_compile_config(module.KERNEL_CONFIGS[-1])
 
 
 def test_skeleton_differs_only_in_todo_regions():
@@ -113,7 +111,7 @@ def test_skeleton_differs_only_in_todo_regions():
 
 def test_decode_bench_times_both_layouts_of_a_shape_together():
     """Paged rows are compared with SDPA on the contiguous cache: both must be timed in the same rounds."""
-    shapes = stages.get(7).load("solutions").BENCH_SHAPES
+    shapes = stages.get(7).bench_shapes
     groups = bench.decode_groups(shapes)
     timed = [s for group in groups.values() for s in group]
     assert len(timed) == len(shapes) and set(timed) == set(shapes)
@@ -121,3 +119,57 @@ def test_decode_bench_times_both_layouts_of_a_shape_together():
         assert not contiguous.paged
         assert {(s.batch, s.seqlen_k, s.paged) for s in group} == {(contiguous.batch, contiguous.seqlen_k, False),
                                                                      (contiguous.batch, contiguous.seqlen_k, True)}
+
+
+def course_imports() -> dict[str, set[str]]:
+    """{module: the course modules it imports}, for every module of course/, lazy (in-function) imports included."""
+    import ast
+
+    graph = {}
+    for path in sorted((stages.ROOT / "course").glob("*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "course":
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course."):
+                imported.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported.update(a.name.split(".")[1] for a in node.names if a.name.startswith("course."))
+        graph[path.stem] = imported - {path.stem}
+    return graph
+
+
+def test_course_has_no_import_cycles():
+    """Each host concern has one home and the modules form a hierarchy: no module imports itself back."""
+    graph = course_imports()
+
+    def cycle_from(start, node, path):
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = cycle_from(start, nxt, path + [nxt])
+                if found:
+                    return found
+        return None
+
+    for module in graph:
+        cycle = cycle_from(module, module, [module])
+        assert cycle is None, (f"import cycle in course/: {' -> '.join(cycle)}. Move what both need into a "
+                               "module that imports neither (see the module docstrings for what lives where).")
+
+
+def test_kernels_import_only_the_kernel_side_of_course():
+    """Kernels may use validation, compile, launch and prefill; never the benchmark, the CLI or the tests."""
+    import ast
+
+    allowed = {"validation", "compile", "launch", "prefill"}
+    for stage in (s for s in stages.STAGES if s.ready):
+        tree = ast.parse(stage.path("solutions").read_text())
+        used = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "course":
+                used.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course."):
+                used.add(node.module.split(".")[1])
+        assert used <= allowed, f"{stage.module_name} imports course.{sorted(used - allowed)}: kernels import only {sorted(allowed)}"

@@ -58,7 +58,7 @@ def test_docs_page_shows_the_real_first_todo(stage):
     """The 'expected output while unsolved' on a stage page is what the skeleton really raises."""
     module = stage.load("stages")
     with pytest.raises(NotImplementedError) as raised:
-        module.cross_compile_config(*module.KERNEL_CONFIGS[-1])
+        module.cross_compile_config(module.KERNEL_CONFIGS[-1])
     page = ROOT / "docs" / stage.docs_page
     assert str(raised.value) in page.read_text(), (
         f"{page.relative_to(ROOT)} shows an outdated TODO message; the skeleton now raises:\n{raised.value}"
@@ -91,18 +91,19 @@ def test_notebook_runs_top_to_bottom(path):
 
 
 def test_results_tables_are_generated(tmp_path):
-    """docs/results/results-tables.md is exactly what `python -m course.results` writes from bench.json."""
+    """docs/results/results-tables.md and bench.md are exactly what `python -m course.results` writes from bench.json."""
     import shutil
 
     from course import results
 
     shutil.copy(ROOT / "docs" / "results" / "bench.json", tmp_path / "bench.json")
-    expected = results.render(tmp_path)
-    committed = (ROOT / "docs" / "results" / results.TABLES).read_text()
-    assert committed == expected, (
-        "docs/results/results-tables.md is not what course.results renders from bench.json; "
-        "regenerate it with `python -m course.results` (never edit it by hand)"
-    )
+    results.render(tmp_path)
+    for name in (results.TABLES, results.BENCH_MD):
+        committed = (ROOT / "docs" / "results" / name).read_text()
+        assert committed == (tmp_path / name).read_text(), (
+            f"docs/results/{name} is not what course.results renders from bench.json; "
+            "regenerate it with `python -m course.results` (never edit it by hand)"
+        )
 
 
 def test_results_tables_cover_every_measured_stage():

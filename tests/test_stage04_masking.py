@@ -9,7 +9,7 @@ from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected h
 STAGE = stages.get(4)
 LENGTHS = testing.MULTI_TILE_LENGTHS
 
-MASKS = {  # every case COURSE.md's semantics must get right, by name
+MASKS = {  # every case the contract's mask semantics must get right, by name
     "causal": dict(causal=True),
     "window-0-0": dict(window_size=(0, 0)),
     "window-1-0": dict(window_size=(1, 0)),
@@ -51,20 +51,20 @@ def test_masked_tile_model_matches_reference(mask, s_q, s_k):
 @pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
 @pytest.mark.parametrize("s_q, s_k", MASK_LENGTHS, ids=[f"sq{a}-sk{b}" for a, b in MASK_LENGTHS])
 @pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
-def test_masks_match_reference(stage, mask, s_q, s_k, dtype, head_dim):
+def test_masks_match_reference(stage, request, mask, s_q, s_k, dtype, head_dim):
     q, k, v = testing.random_qkv(2, s_q, s_k, 8, 2, head_dim, dtype, seed=s_q * 7 + s_k)
     out = stage.attention(q, k, v, out=testing.poisoned_like(q), **MASKS[mask])
-    testing.assert_attention_matches(out, q, k, v, where=f"stage 4, {mask}, {dtype}, D={head_dim}, "
+    testing.assert_attention_matches(out, q, k, v, where=f"stage {request.module.STAGE.number}, {mask}, {dtype}, D={head_dim}, "
                                      f"S_q={s_q}, S_k={s_k}", **MASKS[mask])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q, h_kv", testing.GQA_HEADS, ids=[f"h{a}-kv{b}" for a, b in testing.GQA_HEADS])
 @pytest.mark.parametrize("mask", ["causal", "window-asymmetric"])
-def test_masks_with_gqa(stage, mask, h_q, h_kv):
+def test_masks_with_gqa(stage, request, mask, h_q, h_kv):
     q, k, v = testing.random_qkv(2, 333, 1000, h_q, h_kv, 128, torch.bfloat16, seed=h_q)
     out = stage.attention(q, k, v, out=testing.poisoned_like(q), **MASKS[mask])
-    testing.assert_attention_matches(out, q, k, v, where=f"stage 4, {mask}, H_q={h_q}, H_kv={h_kv}", **MASKS[mask])
+    testing.assert_attention_matches(out, q, k, v, where=f"stage {request.module.STAGE.number}, {mask}, H_q={h_q}, H_kv={h_kv}", **MASKS[mask])
 
 
 @pytest.mark.gpu

@@ -51,12 +51,12 @@ def test_sink_tokens_survive_tile_skipping():
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
 @pytest.mark.parametrize("name, case, sizes", CASES, ids=[c[0] for c in CASES])
-def test_sinks_match_reference(stage, name, case, sizes, dtype, head_dim):
+def test_sinks_match_reference(stage, request, name, case, sizes, dtype, head_dim):
     s_q, s_k = sizes
     q, k, v = testing.random_qkv(2, s_q, s_k, 8, 2, head_dim, dtype, seed=s_q + s_k)
     features = features_for(case, 8)
     out = stage.attention(q, k, v, out=testing.poisoned_like(q), **features)
-    testing.assert_attention_matches(out, q, k, v, where=f"stage 5, {name}, {dtype}, D={head_dim}", **features)
+    testing.assert_attention_matches(out, q, k, v, where=f"stage {request.module.STAGE.number}, {name}, {dtype}, D={head_dim}", **features)
 
 
 @pytest.mark.gpu

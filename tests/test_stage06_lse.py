@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from course import reference, stages, testing
+from course import reference, stages, testing, validation
 from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
 
 STAGE = stages.get(6)
@@ -48,9 +48,7 @@ def split_at_sink_tokens(s_q, s_k, n, window_size, causal):
     Part A (the sink tokens) keeps only the right bound, moved to A's own bottom-right
     alignment: A has S_k' = n, so its offset is n - S_q instead of S_k - S_q.
     """
-    left, right = window_size
-    if causal:
-        right = 0
+    left, right = validation.resolve_window(causal, window_size)
     right_a = right + (s_k - n) if right >= 0 else -1
     return dict(window_size=(-1, right_a)), dict(window_size=(left, right))
 
@@ -95,13 +93,13 @@ def test_merge_kernel_cross_compiles(stage, dtype, head_dim):
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
 @pytest.mark.parametrize("name", list(LSE_CASES))
-def test_lse_matches_reference(stage, name, dtype, head_dim):
+def test_lse_matches_reference(stage, request, name, dtype, head_dim):
     case, (s_q, s_k) = LSE_CASES[name]
     q, k, v = testing.random_qkv(2, s_q, s_k, 8, 2, head_dim, dtype, seed=s_q)
     features = make_features(case, 8)
     out, lse = stage.attention(q, k, v, return_lse=True, out=testing.poisoned_like(q), **features)
-    testing.assert_attention_matches(out, q, k, v, where=f"stage 6 O, {name}", **features)
-    assert_lse_matches(lse, q, k, v, f"stage 6 LSE, {name}", **features)
+    testing.assert_attention_matches(out, q, k, v, where=f"stage {request.module.STAGE.number} O, {name}", **features)
+    assert_lse_matches(lse, q, k, v, f"stage {request.module.STAGE.number} LSE, {name}", **features)
 
 
 @pytest.mark.gpu

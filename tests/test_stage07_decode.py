@@ -140,34 +140,21 @@ def test_bad_input_is_rejected_before_launch(stage, make, options, error, messag
 
 # ---------------------------------------------------------------- cross-compile (CPU)
 
-def compile_matrix():
-    """Every dtype x head dim x cache layout (contiguous, each page size); the heads-per-CTA
-    bucket and the compiled-out features (sinks, LSE) rotate so each value meets every head dim."""
-    solution = STAGE.load("solutions")
-    flags = [(False, False), (True, False), (False, True), (True, True)]
-    configs = []
-    for i, (dtype, d, page) in enumerate(solution.KERNEL_CONFIGS):
-        heads = solution.HEADS_PER_CTA[i % len(solution.HEADS_PER_CTA)]
-        sink, lse = flags[(i // len(solution.HEADS_PER_CTA) + i) % len(flags)]
-        configs.append((dtype, d, page, heads, sink, lse))
-    return configs
-
-
-CONFIGS = compile_matrix()
+CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS
 
 
 def test_compile_matrix_covers_every_option(solution):
-    assert {(c[0], c[1], c[2]) for c in CONFIGS} == set(solution.KERNEL_CONFIGS)
+    layouts = {(c.dtype, c.head_dim, c.page_size) for c in CONFIGS}
+    assert layouts == {(t, d, p) for t in ("float16", "bfloat16") for d in solution.HEAD_DIMS
+                       for p in (0, *solution.PAGE_SIZES)}
     for d in solution.HEAD_DIMS:
-        assert {c[3] for c in CONFIGS if c[1] == d} == set(solution.HEADS_PER_CTA)
-        assert {(c[4], c[5]) for c in CONFIGS if c[1] == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
+        assert {c.heads for c in CONFIGS if c.head_dim == d} == set(solution.HEADS_PER_CTA)
+        assert {(c.has_sink, c.write_lse) for c in CONFIGS if c.head_dim == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
 
 
-@pytest.mark.parametrize("dtype, head_dim, page_size, heads, has_sink, write_lse", CONFIGS,
-                         ids=[f"{c[0]}-d{c[1]}-{'paged' + str(c[2]) if c[2] else 'contiguous'}-h{c[3]}"
-                              f"{'-sink' if c[4] else ''}{'-lse' if c[5] else ''}" for c in CONFIGS])
-def test_cross_compiles_for_sm90a(stage, dtype, head_dim, page_size, heads, has_sink, write_lse):
-    report = stage.cross_compile_config(dtype, head_dim, page_size, heads, has_sink, write_lse, keep=True)
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_cross_compiles_for_sm90a(stage, config):
+    report = stage.cross_compile_config(config, keep=True)
     ptx = Path(report.artifacts["ptx"]).read_text()
     # The decode data path: 16-byte cp.async copies into the ring, shuffle reductions, the last-block protocol.
     assert "cp.async.cg.shared.global" in ptx, "K/V rows must stream in with 16-byte cp.async copies"
@@ -177,12 +164,12 @@ def test_cross_compiles_for_sm90a(stage, dtype, head_dim, page_size, heads, has_
     assert "st.relaxed.gpu.global" in ptx, "the last CTA resets its counter"
     assert "ld.global.v4" in ptx, "the combine reads the partial O with 16-byte loads"
     assert report.spill_bytes == 0, f"{report.name} spills {report.spill_bytes} bytes of registers"
-    assert report.shared_bytes == stage.shared_bytes(head_dim, heads), (
+    assert report.shared_bytes == stage.shared_bytes(config.head_dim, config.heads), (
         f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
-        f"{stage.shared_bytes(head_dim, heads)}, and the automatic split count relies on it: update it")
-    assert report.registers <= stage.REGISTERS_PER_THREAD[heads], (
+        f"{stage.shared_bytes(config.head_dim, config.heads)}, and the automatic split count relies on it: update it")
+    assert report.registers <= stage.REGISTERS_PER_THREAD[config.heads], (
         f"{report.name} uses {report.registers} registers per thread; the automatic split count assumes at "
-        f"most {stage.REGISTERS_PER_THREAD[heads]} (REGISTERS_PER_THREAD): update it")
+        f"most {stage.REGISTERS_PER_THREAD[config.heads]} (REGISTERS_PER_THREAD): update it")
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)

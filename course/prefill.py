@@ -1,0 +1,127 @@
+"""Host code every prefill stage shares: what a kernel is compiled for, the cross-compile, the launch.
+
+Each prefill stage's kernel class (``Attention`` in solutions/stageNN_*.py)
+takes a ``KernelConfig`` and has the same call signature in every stage:
+
+    (mQ, mK, mV, mO, mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, stream)
+
+A stage ignores the arguments of the features it does not have yet, so this
+module compiles and launches every stage the same way, and the diff between
+two consecutive solutions holds only the stage's own idea.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from course import launch, validation
+from course.compile import CompileReport, cross_compile, cute_dtype, fake_attention_tensors, symbolic_tensor
+
+LOG2_E = math.log2(math.e)
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What one compiled kernel is specialized for; a feature that is off compiles out.
+
+    Everything else (batch, lengths, heads, the window sizes, the number of
+    sink tokens, the softmax scale) is a runtime value, so one compile serves
+    every shape.
+    """
+
+    dtype: str = "float16"             # "float16" or "bfloat16" (q, k, v and o)
+    head_dim: int = 128
+    has_left: bool = False             # a bounded left window side (stage 4)
+    has_right: bool = False            # a bounded right side: causal, or a window's right (stage 4)
+    has_sink_logits: bool = False      # one sink logit per query head (stage 5)
+    has_sink_tokens: bool = False      # keys exempt from the left bound; only with has_left (stage 5)
+    has_lse: bool = False              # also write the per-row LSE (stage 6)
+
+    @property
+    def cute_dtype(self):
+        import torch
+
+        return cute_dtype(getattr(torch, self.dtype))
+
+    @property
+    def name(self) -> str:
+        """e.g. ``bfloat16_d128_LRSTE``: L/R bounded window sides, S sink logits, T sink tokens, E LSE."""
+        flags = (self.has_left, self.has_right, self.has_sink_logits, self.has_sink_tokens, self.has_lse)
+        return f"{self.dtype}_d{self.head_dim}_" + ("".join(c for c, on in zip("LRSTE", flags) if on) or "full")
+
+
+def kernel_configs(stage: int) -> list[KernelConfig]:
+    """Every configuration stage ``stage`` compiles: its features (validation.FEATURE_STAGE) on and off.
+
+    The last one has every feature of the stage on.
+    """
+    def added_by(feature: str) -> bool:
+        return validation.FEATURE_STAGE[feature][0] <= stage
+
+    either = (False, True)
+    sides = either if added_by("window_size") else (False,)
+    sinks = either if added_by("sink_logits") else (False,)
+    lse = either if added_by("return_lse") else (False,)
+    return [KernelConfig(dtype, d, left, right, logits, tokens, with_lse)
+            for dtype in DTYPES for d in HEAD_DIMS for left in sides for right in sides for logits in sinks
+            for tokens in (sinks if left else (False,)) for with_lse in lse]
+
+
+def fake_arguments(config: KernelConfig) -> tuple:
+    """The symbolic arguments a kernel is compiled with: one compile for every shape.
+
+    Without ``has_lse`` the LSE argument is a placeholder with sizes of its own
+    (``attention`` passes a tiny tensor there).
+    """
+    import cutlass
+    import torch
+
+    symbols: dict = {}
+    q, k, v, o = fake_attention_tensors(getattr(torch, config.dtype), config.head_dim, symbols)
+    lse = symbolic_tensor(torch.float32, ("B", "H_q", "S_q") if config.has_lse else ("b", "h", "s"),
+                          symbols=symbols if config.has_lse else {}, align=4, stride_divisibility=1)
+    sinks = symbolic_tensor(torch.float32, ("H_q",), symbols=symbols, align=4, stride_divisibility=1)
+    return (q, k, v, o, lse, sinks, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0))
+
+
+def cross_compile_config(kernel_class, config: KernelConfig, *, stage: int, keep: bool = False) -> CompileReport:
+    """Compile ``kernel_class(config)`` for sm_90a on any machine (no GPU needed); report registers, smem, spills."""
+    return cross_compile(kernel_class(config), *fake_arguments(config), name=f"stage{stage:02d}_{config.name}",
+                         keep=keep)
+
+
+def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+              sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
+    """Validate, compile once per configuration (cached), launch ``kernel_class``; return O (and LSE).
+
+    ``stage`` names the stage whose features are available: a later stage's
+    feature raises NotImplementedError naming that stage. ``out`` (optional)
+    receives O; tests pass a NaN-poisoned buffer to prove every element is written.
+    """
+    import torch
+
+    shape = validation.check_attention_inputs(
+        q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, out=out, head_dims=HEAD_DIMS,
+    )
+    validation.reject_later_features(
+        stage, causal=causal, window_size=window_size, sink_logits=sink_logits,
+        num_sink_tokens=num_sink_tokens, return_lse=return_lse,
+        seqlen_k=shape.seqlen_k, max_seqlen_k=getattr(kernel_class, "max_seqlen_k", None),
+    )
+    validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits)
+    left, right = validation.resolve_window(causal, window_size)
+    config = KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
+                          sink_logits is not None, left >= 0 and num_sink_tokens > 0, bool(return_lse))
+    kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
+    if out is None:
+        out = q.new_empty(q.shape)
+    lse = (torch.empty(shape.batch, shape.heads_q, shape.seqlen_q, device=q.device, dtype=torch.float32)
+           if return_lse else launch.placeholder(q.device, (1, 1, 1)))
+    sinks = sink_logits if sink_logits is not None else launch.placeholder(q.device, (shape.heads_q,))
+    scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
+    kernel(q, k, v, out, lse, sinks, scale_log2, left, right, num_sink_tokens)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,154 @@
+"""``course sanitize``: every stage's kernels under compute-sanitizer, one summary line per stage.
+
+Each stage runs a few small launches that switch on every feature it has
+(masks, sinks, LSE, GQA, tails; for decode a ragged paged batch with forced
+splits) under each tool:
+
+* memcheck: out-of-bounds and misaligned global/shared accesses;
+* racecheck: shared-memory hazards between threads (the named barriers and
+  mbarrier phases are where they would hide);
+* synccheck: illegal barrier use (a bar.sync not every thread reaches).
+
+The DSL's host runtime probes the driver at start-up, and memcheck reports
+those calls' CUDA_ERROR_INVALID_VALUE results as API errors; they come from
+host code, not from a kernel, so they are counted separately as host API
+noise. A stage is clean when no tool reports anything from a kernel.
+
+Run on a machine with a Hopper GPU and compute-sanitizer (the CUDA toolkit):
+
+    python -m course sanitize          # every ready stage
+    python -m course sanitize 8 --tool racecheck
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from course import stages
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+_SUMMARY = re.compile(r"=+ (?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
+_HOST_API = re.compile(r"Program hit \S+ .*on CUDA API call to (\w+)")
+
+
+@dataclass
+class ToolResult:
+    tool: str
+    returncode: int
+    kernel_findings: list[str] = field(default_factory=list)
+    host_api_calls: dict[str, int] = field(default_factory=dict)
+    summary_count: int | None = None
+    failed_to_run: str = ""
+
+    @property
+    def clean(self) -> bool:
+        return not self.failed_to_run and not self.kernel_findings
+
+    def line(self) -> str:
+        if self.failed_to_run:
+            return f"{self.tool}: did not run ({self.failed_to_run})"
+        noise = sum(self.host_api_calls.values())
+        text = f"{self.tool}: {len(self.kernel_findings)} kernel findings"
+        if noise:
+            calls = ", ".join(f"{name} x{count}" for name, count in sorted(self.host_api_calls.items()))
+            text += f" ({noise} host API results ignored: {calls})"
+        return text
+
+
+def classify(tool: str, output: str, returncode: int) -> ToolResult:
+    """Split compute-sanitizer's report into kernel findings and host API noise."""
+    result = ToolResult(tool, returncode)
+    for block in output.split("========= \n"):
+        lines = [line for line in block.splitlines() if line.startswith("=========")]
+        if not lines:
+            continue
+        head = lines[0]
+        host = _HOST_API.search(head)
+        if host:
+            result.host_api_calls[host.group(1)] = result.host_api_calls.get(host.group(1), 0) + 1
+        elif any(word in head for word in ("Invalid", "Race reported", "Barrier error", "Hazard", "Error",
+                                            "Warning", "Misaligned", "Out of range")):
+            if "SUMMARY" not in head:
+                result.kernel_findings.append(head.removeprefix("=========").strip())
+    summary = _SUMMARY.search(output)
+    result.summary_count = int(summary.group(1)) if summary else None
+    if summary is None and returncode != 0:
+        tail = output.strip().splitlines()[-1:] or ["no output"]
+        result.failed_to_run = f"exit code {returncode}: {tail[0][:200]}"
+    return result
+
+
+def run_tool(number: int, tool: str) -> ToolResult:
+    """One tool over one stage's small launches (``python -m course.sanitize --launch N``)."""
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        return ToolResult(tool, 1, failed_to_run="compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
+    command = [sanitizer, "--tool", tool, "--print-limit", "200", sys.executable, "-m", "course.sanitize",
+               "--launch", str(number)]
+    completed = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    output = completed.stdout + completed.stderr
+    result = classify(tool, output, completed.returncode)
+    if "LAUNCHES OK" not in completed.stdout and not result.failed_to_run:
+        result.failed_to_run = f"the launches did not finish (exit code {completed.returncode}): " + \
+            (output.strip().splitlines() or ["no output"])[-1][:200]
+    return result
+
+
+def launch_stage(number: int) -> None:
+    """The small launches of stage ``number``, every feature on at least once (run under the sanitizer)."""
+    import torch
+
+    from course import testing
+
+    stage = stages.get(number)
+    module = stage.load("solutions")
+    if stage.kind == "decode":
+        inputs = testing.random_decode_inputs([1, 70, 300], 8, 2, 128, torch.float16, page_size=16, seed=1)
+        module.decode_attention(**inputs, num_splits=3, return_lse=True, window_size_left=100, num_sink_tokens=2,
+                                sink_logits=torch.randn(8, device="cuda"))
+        inputs = testing.random_decode_inputs([129, 5], 4, 4, 64, torch.bfloat16, seed=2)
+        module.decode_attention(**inputs, num_splits=2)
+    else:
+        features = [{}]
+        if number >= 4:
+            features.append({"causal": True})
+        if number >= 5:
+            features.append({"window_size": (100, 10), "num_sink_tokens": 3,
+                             "sink_logits": torch.linspace(-1, 1, 4, device="cuda")})
+        seqlen_k = 100 if number == 1 else 300
+        lse = {"return_lse": True} if number >= 6 else {}
+        for head_dim in (64, 128):
+            q, k, v = testing.random_qkv(1, 200, seqlen_k, 4, 2, head_dim, torch.float16, seed=head_dim)
+            for options in features:
+                module.attention(q, k, v, **lse, **options)
+        if number >= 6:
+            o, lse = module.attention(q, k, v, return_lse=True)
+            module.merge_attention_states(o, lse, o, lse)
+    torch.cuda.synchronize()
+    print("LAUNCHES OK")
+
+
+def main(numbers=None, tools=TOOLS) -> int:
+    numbers = numbers or [s.number for s in stages.STAGES if s.ready]
+    all_clean = True
+    for number in numbers:
+        results = [run_tool(number, tool) for tool in tools]
+        clean = all(r.clean for r in results)
+        all_clean &= clean
+        print(f"stage {number}: {'clean' if clean else 'FINDINGS'}; " + "; ".join(r.line() for r in results))
+        for r in results:
+            for finding in r.kernel_findings[:10]:
+                print(f"    {r.tool}: {finding}")
+    return 0 if all_clean else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--launch":
+        launch_stage(int(sys.argv[2]))
+    else:
+        raise SystemExit("use `python -m course sanitize [N ...]`")
