@@ -171,3 +171,127 @@ def test_troubleshooting_quotes_the_real_input_errors():
             case()
         line = f"{type(raised.value).__name__}: {raised.value}"
         assert line in page, f"docs/workshop/troubleshooting.md does not quote the current message:\n{line}"
+
+
+# ---------------------------------------------------------------- no spoilers on the pages
+
+SNIPPET_LINE = re.compile(r'^(?P<indent>\s*)--8<--\s+"(?P<target>[^"]+)"\s*$')
+SNIPPET_BLOCK = re.compile(r"^\s*--8<--\s*$")
+FOLD_START = re.compile(r"^(?P<indent>\s*)\?\?\?(?P<open>\+?)\s")
+EXERCISE_HEADING = "## The exercise"
+STAGE_PAGES = sorted((ROOT / "docs" / "stages").glob("[0-9][0-9]-*.md"))
+
+
+def _snippet_includes(text: str):
+    """(line number, target, folded) for every pymdownx.snippets include of a page.
+
+    ``folded`` is True when the include sits inside a closed ``???`` block (rendered as a
+    ``<details>`` element that is closed on load). Both the one-line form and the block form
+    (``--8<--`` lines around a list of files) are recognized.
+    """
+    folds: list[tuple[int, bool]] = []  # (indent, closed on load) of the ??? blocks around the line
+    in_block = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        while folds and indent <= folds[-1][0]:
+            folds.pop()
+        fold = FOLD_START.match(line)
+        if fold:
+            folds.append((indent, not fold["open"]))  # ???+ renders open: it hides nothing
+            continue
+        if SNIPPET_BLOCK.match(line):
+            in_block = not in_block
+            continue
+        folded = any(closed for _, closed in folds)
+        if in_block:
+            target = line.strip()
+            if target and not target.startswith(";"):
+                yield number, target, folded
+            continue
+        include = SNIPPET_LINE.match(line)
+        if include:
+            yield number, include["target"], folded
+
+
+def _included_text(target: str) -> tuple[Path, str]:
+    """The file a snippet target names, and the text the include pulls in (a section, lines, or all)."""
+    path, _, rest = target.partition(":")
+    file = ROOT / path
+    text = file.read_text()
+    if not rest:
+        return file, text
+    if re.fullmatch(r"[\d:,-]+", rest):  # line ranges, e.g. file.py:10:20
+        return file, text
+    start = re.search(rf"--8<-- \[start:{re.escape(rest)}\]", text)
+    end = re.search(rf"--8<-- \[end:{re.escape(rest)}\]", text)
+    assert start and end, f"{target}: no section {rest!r} in {path}"
+    return file, text[start.end():end.start()]
+
+
+def _exercise_stages(target: str) -> set[int]:
+    """The stages whose answers an include shows: [exercise N] regions of its text, or the diff's stage."""
+    path = target.partition(":")[0]
+    diff = re.fullmatch(r"docs/diffs/stage\d\d-stage(\d\d)\.diff", path)
+    if diff:
+        return {int(diff[1])}
+    if not path.startswith("solutions/"):
+        return set()
+    _, text = _included_text(target)
+    return {int(n) for n in re.findall(r"#\s*\[exercise (\d+)\]", text)}
+
+
+@pytest.mark.parametrize("page", STAGE_PAGES, ids=[p.stem for p in STAGE_PAGES])
+def test_stage_page_shows_no_answer_before_the_exercise(page):
+    """A stage page teaches with code that is not its exercise, and folds each answer after it.
+
+    An include is an answer to stage N (the page's own stage) when it is a solutions/ section
+    that contains an ``[exercise N]`` region, or the diff docs/diffs/stageMM-stageNN.diff.
+    It must come after the page's exercise heading and inside a closed ``???`` block.
+    Regions of earlier stages are not answers to this one: later skeletons contain them.
+    """
+    stage = int(page.name[:2])
+    text = page.read_text()
+    lines = text.splitlines()
+    headings = [i for i, line in enumerate(lines, start=1) if line.strip() == EXERCISE_HEADING]
+    rel = page.relative_to(ROOT)
+    assert headings, f"{rel} has no '{EXERCISE_HEADING}' heading; every stage page states its exercise under one"
+    exercise_line = headings[0]
+    problems = []
+    for number, target, folded in _snippet_includes(text):
+        if stage not in _exercise_stages(target):
+            continue
+        where = []
+        if number < exercise_line:
+            where.append(f"before the '{EXERCISE_HEADING}' heading (line {exercise_line})")
+        if not folded:
+            where.append("outside a closed '???' block")
+        if where:
+            problems.append(
+                f'{rel}, line {number}: --8<-- "{target}" shows the answer to stage {stage}\'s exercise, '
+                f"{' and '.join(where)}. Teach that part with other code or ```text pseudo-code, and show "
+                f"this include after the exercise, indented under "
+                f'??? success "Solution: <function>" (or ??? info for a diff), which renders closed.'
+            )
+    assert not problems, "\n".join(problems)
+
+
+OTHER_PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.parent != ROOT / "docs" / "stages")
+
+
+@pytest.mark.parametrize("page", OTHER_PAGES, ids=[p.relative_to(ROOT / "docs").as_posix() for p in OTHER_PAGES])
+def test_other_pages_fold_every_answer(page):
+    """Primers and the course pages may show an exercise's answer only inside a closed ``???`` block."""
+    rel = page.relative_to(ROOT)
+    problems = []
+    for number, target, folded in _snippet_includes(page.read_text()):
+        path = target.partition(":")[0]
+        own = re.match(r"(?:solutions/stage|docs/diffs/stage\d\d-stage)(\d\d)", path)
+        if own and int(own[1]) in _exercise_stages(target) and not folded:
+            problems.append(
+                f'{rel}, line {number}: --8<-- "{target}" shows the answer to a stage {int(own[1])} exercise '
+                "unfolded. Explain it in prose or ```text pseudo-code, or put the include under a closed "
+                '??? success "Solution: <function>" block.'
+            )
+    assert not problems, "\n".join(problems)

@@ -4,8 +4,9 @@ The site is built into a temporary folder, served on 127.0.0.1 and opened in
 headless Chromium (Debian's ``chromium`` and ``chromium-driver``, driven by
 selenium). Every page must load without a console error, from this server
 only, with every image decoded; the search must find a word; light and dark
-mode must both be readable. Screenshots of the home page and the stage 1
-page go to $SITE_SCREENSHOTS (default build/screenshots/).
+mode must both be readable; a stage page's solutions must be folded (closed
+<details>) when it loads. Screenshots of the home page and the stage 1 page go
+to $SITE_SCREENSHOTS (default build/screenshots/).
 
 Without /usr/bin/chromium the module is skipped, except under CI (the CI
 variable set), where a missing browser is a failure: .ci/run installs it.
@@ -261,3 +262,25 @@ def test_screenshots(base_url, browser, page, name):
     path = SCREENSHOTS / name
     assert browser.save_screenshot(str(path)), f"could not write {path}"
     assert path.stat().st_size > 10_000, f"{path} looks empty"
+
+
+SOLUTIONS_JS = """
+return Array.from(document.querySelectorAll('.md-content details.success')).map(d => ({
+    title: (d.querySelector('summary') || {}).textContent || '',
+    open: d.open || d.hasAttribute('open'),
+    // A closed <details> keeps its content laid out but hidden (content-visibility), so ask
+    // the browser whether the code is visible rather than measuring it.
+    code_visible: Array.from(d.querySelectorAll('pre')).some(pre => pre.checkVisibility()),
+}));
+"""
+
+
+def test_stage_solutions_are_folded_on_load(base_url, browser):
+    """On a stage page the solutions exist, as <details> that are closed (not `open`) when the page loads."""
+    _open(browser, base_url + "stages/03-online-softmax/")
+    solutions = browser.execute_script(SOLUTIONS_JS)
+    titles = [s["title"].strip() for s in solutions]
+    assert len(solutions) >= 2 and any("online_softmax" in t for t in titles), (
+        f"stage 3's page should have a folded solution for each exercise function; found {titles}")
+    opened = [s["title"].strip() for s in solutions if s["open"] or s["code_visible"]]
+    assert not opened, f"these solutions are open (their code visible) on load; use `??? success`, not `???+`: {opened}"
