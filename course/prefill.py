@@ -93,6 +93,18 @@ def cross_compile_config(kernel_class, config: KernelConfig, *, stage: int, keep
                          keep=keep)
 
 
+def kernel_window(causal, window_size, num_sink_tokens: int, shape: validation.AttentionShape):
+    """(left, right, num_sink_tokens) as the kernel takes them: the same visible keys, in int32 range.
+
+    A left side of S_k or more, or a right side of S_q or more, hides no key,
+    and S_k sink tokens already exempt every key: larger values mean the same.
+    The kernels add these to row and key indices in 32-bit integers, where a
+    window near 2**31 would wrap around, so they get the smallest equivalent.
+    """
+    left, right = validation.resolve_window(causal, window_size)
+    return min(left, shape.seqlen_k), min(right, shape.seqlen_q), min(num_sink_tokens, shape.seqlen_k)
+
+
 def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
               sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
     """Validate, compile once per configuration (cached), launch ``kernel_class``; return O (and LSE).
@@ -104,8 +116,8 @@ def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=F
     import torch
 
     shape = validation.check_attention_inputs(
-        q, k, v, softmax_scale=softmax_scale, window_size=window_size,
-        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, out=out, head_dims=HEAD_DIMS,
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, sink_logits=sink_logits,
+        num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out, head_dims=HEAD_DIMS,
     )
     validation.reject_later_features(
         stage, causal=causal, window_size=window_size, sink_logits=sink_logits,
@@ -113,7 +125,7 @@ def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=F
         seqlen_k=shape.seqlen_k, max_seqlen_k=getattr(kernel_class, "max_seqlen_k", None),
     )
     validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits)
-    left, right = validation.resolve_window(causal, window_size)
+    left, right, num_sink_tokens = kernel_window(causal, window_size, num_sink_tokens, shape)
     config = KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                           sink_logits is not None, left >= 0 and num_sink_tokens > 0, bool(return_lse))
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))

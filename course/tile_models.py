@@ -135,7 +135,9 @@ def masked_online(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
         else:  # the sink joins the denominator against a common reference, as in the kernel
             sink_log2 = (sink_logits.float() * LOG2_E).view(1, -1, 1)
             top = torch.maximum(row_max * scale_log2, sink_log2)
+            top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # no key, a -inf sink: not -inf - -inf
             rescale = torch.exp2(row_max * scale_log2 - top)
-            inv_sum = rescale / (row_sum * rescale + torch.exp2(sink_log2 - top))
+            denominator = row_sum * rescale + torch.exp2(sink_log2 - top)
+            inv_sum = torch.where(denominator > 0, rescale / denominator, torch.zeros_like(denominator))
         out[:, :, rows] = acc * inv_sum[..., None]
     return out.transpose(1, 2).to(q.dtype)

@@ -4,14 +4,22 @@ Every stage calls these before launching anything, so bad input fails with a
 message that says what was wrong and what is accepted, never inside a kernel.
 The contract's two rules that every other module applies too live here once:
 ``resolve_window`` (causal means right = 0) and ``resolve_scale`` (the
-default softmax scale).
+default softmax scale). So do the checks that every entry point shares
+(prefill ``attention``, ``merge_attention_states``, ``decode_attention``):
+scalar options, integer ranges, empty sizes, outputs that overlap themselves.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("torch.float16", "torch.bfloat16")
+INT32_MAX = 2**31 - 1  # the kernels take window sizes, sink-token and split counts as 32-bit ints
+# The kernels multiply scores by softmax_scale * log2(e) as a float32: it must be a normal float32
+# (a zero or denormal scale turns a masked score into -inf * 0 = NaN, an infinite one every score).
+FLOAT32_MIN_NORMAL, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
+SCALE_RANGE = (FLOAT32_MIN_NORMAL / math.log2(math.e), FLOAT32_MAX / math.log2(math.e))
 
 # The stage that adds each optional feature; earlier stages reject it.
 FEATURE_STAGE = {
@@ -54,6 +62,8 @@ def _check_tensor(name: str, t, *, rank: int, layout: str) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)} (rank {t.dim()}); expected rank {rank}: {layout}")
     if str(t.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16")
+    if t.numel() == 0:
+        return  # no memory to lay out; the caller rejects the empty size by name
     if t.stride(-1) != 1:
         raise ValueError(
             f"{name} has stride {t.stride()}: its last dimension (head dim) must be contiguous "
@@ -66,8 +76,83 @@ def _check_tensor(name: str, t, *, rank: int, layout: str) -> None:
         )
 
 
-def check_attention_inputs(q, k, v, *, softmax_scale=None, window_size=(-1, -1), sink_logits=None,
-                           num_sink_tokens=0, out=None, head_dims=(64, 128)) -> AttentionShape:
+def _check_not_empty(name: str, t, dims: tuple[str, ...]) -> None:
+    """Every size of ``t`` is at least 1: an empty grid dimension fails to launch, an empty head count divides by 0."""
+    empty = [dim for dim, size in zip(dims, t.shape) if size == 0]
+    if empty:
+        raise ValueError(f"empty input: {name} has shape {tuple(t.shape)} = [{', '.join(dims)}] with "
+                         f"{' and '.join(f'{dim} = 0' for dim in empty)}; every size must be at least 1")
+
+
+def _overlaps_itself(t) -> bool:
+    """Could two indices of ``t`` map to one address? Sorted by stride, each dimension must step past
+    everything the smaller ones span (a sufficient test: it also refuses exotic interleaved layouts)."""
+    span = 0  # the largest offset the dimensions seen so far reach
+    for stride, size in sorted((stride, size) for stride, size in zip(t.stride(), t.shape) if size > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _check_out(out, like, like_name: str, *, layout: str) -> None:
+    """An output buffer: the layout rules of an input, ``like``'s shape and dtype, and no element written twice."""
+    _check_tensor("out", out, rank=like.dim(), layout=layout)
+    if out.dtype != like.dtype:
+        raise TypeError(f"out has dtype {out.dtype}; expected {like.dtype} like {like_name}")
+    if out.shape != like.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {tuple(like.shape)} like {like_name}")
+    if _overlaps_itself(out):
+        raise ValueError(f"out has shape {tuple(out.shape)} and strides {out.stride()}: two of its elements share "
+                         "one address (a zero stride, as in an expanded view), so the kernel's writes would collide; "
+                         "out must not overlap itself: pass a fresh tensor (torch.empty) or call .contiguous()")
+
+
+def _check_softmax_scale(softmax_scale) -> None:
+    """None (1/sqrt(head_dim)) or a positive finite number whose float32 scale * log2(e) is a normal number."""
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
+    low, high = SCALE_RANGE
+    if not low <= softmax_scale <= high:  # also false for NaN
+        raise ValueError(f"softmax_scale is {softmax_scale!r}; expected a positive finite float from {low:.3g} to "
+                         f"{high:.3g} (the kernels use it in float32), or None for 1/sqrt(head_dim)")
+
+
+def _is_int32(value, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= INT32_MAX
+
+
+def _check_int32(name: str, value, *, minimum: int) -> None:
+    """An int option the kernels take as a 32-bit int: from ``minimum`` to 2**31 - 1."""
+    if not _is_int32(value, minimum):
+        raise ValueError(f"{name} must be an int from {minimum} to {INT32_MAX} (a 32-bit int); got {value!r}")
+
+
+def _check_flag(name: str, value) -> None:
+    """A switch such as ``causal``: a string or a tensor would silently count as True."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+
+
+def _check_sink_logits(sink_logits, heads_q: int) -> None:
+    import torch
+
+    if sink_logits is None:
+        return
+    if not isinstance(sink_logits, torch.Tensor):
+        raise TypeError(f"sink_logits must be a torch.Tensor or None; got {type(sink_logits).__name__}")
+    if sink_logits.dtype != torch.float32:
+        raise TypeError(f"sink_logits has dtype {sink_logits.dtype}; expected torch.float32 (one natural-log logit "
+                        "per query head)")
+    if sink_logits.shape != (heads_q,) or sink_logits.stride() != (1,):
+        raise ValueError(f"sink_logits has shape {tuple(sink_logits.shape)} and strides {sink_logits.stride()}; "
+                         f"expected a contiguous [{heads_q}] (one per query head) float32 tensor")
+
+
+def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
+                           num_sink_tokens=0, return_lse=False, out=None, head_dims=(64, 128)) -> AttentionShape:
     """Validate q, k, v ([B, S_q, H_q, D], [B, S_k, H_kv, D]) and the options; return the sizes.
 
     Devices are checked separately by ``check_on_gpu``, right before a launch.
@@ -77,9 +162,11 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, window_size=(-1, -1),
         _check_tensor(name, t, rank=4, layout=bshd)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    b, s_q, h_q, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    _check_not_empty("q", q, ("batch", "S_q", "H_q", "head_dim"))
+    _check_not_empty("k", k, ("batch", "S_k", "H_kv", "head_dim"))
+    b, s_q, h_q, d = q.shape
     b_k, s_k, h_kv, d_k = k.shape
     if b_k != b:
         raise ValueError(f"q has batch {b} but k/v have batch {b_k}")
@@ -87,37 +174,21 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, window_size=(-1, -1),
         raise ValueError(f"q has head_dim {d} but k/v have head_dim {d_k}")
     if d not in head_dims:
         raise ValueError(f"head_dim {d} is not supported; supported: {', '.join(map(str, head_dims))}")
-    if s_q == 0 or s_k == 0 or b == 0:
-        raise ValueError(
-            f"empty input: batch {b}, S_q {s_q}, S_k {s_k}; attention needs at least one query and one key"
-        )
-    if h_kv == 0 or h_q % h_kv:
+    if h_q % h_kv:
         raise ValueError(
             f"q has {h_q} heads and k/v have {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)"
         )
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(not isinstance(w, int) or w < -1 for w in window_size)):
-        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1 = unbounded); got {window_size!r}")
-    if not isinstance(num_sink_tokens, int) or num_sink_tokens < 0:
-        raise ValueError(f"num_sink_tokens must be an int >= 0; got {num_sink_tokens!r}")
-    if sink_logits is not None:
-        import torch
-
-        if not isinstance(sink_logits, torch.Tensor):
-            raise TypeError(f"sink_logits must be a torch.Tensor or None; got {type(sink_logits).__name__}")
-        if sink_logits.shape != (h_q,) or sink_logits.dtype != torch.float32 or sink_logits.stride() != (1,):
-            raise ValueError(
-                f"sink_logits has shape {tuple(sink_logits.shape)} and dtype {sink_logits.dtype}; "
-                f"expected a contiguous [{h_q}] (one per query head) float32 tensor"
-            )
+    _check_softmax_scale(softmax_scale)
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(_is_int32(w, -1) for w in window_size)):
+        raise ValueError(f"window_size must be a pair (left, right) of ints from -1 to {INT32_MAX} (-1 = unbounded); "
+                         f"got {window_size!r}")
+    _check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
+    _check_sink_logits(sink_logits, h_q)
     if out is not None:
-        _check_tensor("out", out, rank=4, layout=bshd)
-        if out.shape != q.shape or out.dtype != q.dtype:
-            raise ValueError(
-                f"out has shape {tuple(out.shape)} {out.dtype}; expected {tuple(q.shape)} {q.dtype} like q"
-            )
+        _check_out(out, q, "q", layout=bshd)
     return AttentionShape(b, s_q, s_k, h_q, h_kv, d)
 
 
@@ -128,21 +199,25 @@ def check_merge_inputs(o_a, lse_a, o_b, lse_b, *, out=None, head_dims=(64, 128))
     bshd = "[batch, seqlen, heads, head_dim]"
     for name, t in (("o_a", o_a), ("o_b", o_b)):
         _check_tensor(name, t, rank=4, layout=bshd)
-    if o_a.shape != o_b.shape or o_a.dtype != o_b.dtype:
-        raise ValueError(f"o_a is {tuple(o_a.shape)} {o_a.dtype} but o_b is {tuple(o_b.shape)} {o_b.dtype}; they must match")
+    if o_a.dtype != o_b.dtype:
+        raise TypeError(f"o_a has dtype {o_a.dtype} but o_b has {o_b.dtype}; they must share one dtype")
+    if o_a.shape != o_b.shape:
+        raise ValueError(f"o_a has shape {tuple(o_a.shape)} but o_b has {tuple(o_b.shape)}; they must match")
+    _check_not_empty("o_a", o_a, ("batch", "S", "H", "head_dim"))
     if o_a.shape[-1] not in head_dims:
         raise ValueError(f"head_dim {o_a.shape[-1]} is not supported; supported: {', '.join(map(str, head_dims))}")
     b, s, h, _ = o_a.shape
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.shape != (b, h, s) or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}; expected [B, H, S] = "
-                             f"[{b}, {h}, {s}] float32 with S contiguous (as attention(..., return_lse=True) returns)")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float32 (as attention(..., return_lse=True) "
+                            "returns it)")
+        if t.shape != (b, h, s) or t.stride(-1) != 1:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}; expected [B, H, S] = "
+                             f"[{b}, {h}, {s}] with S contiguous (as attention(..., return_lse=True) returns it)")
     if out is not None:
-        _check_tensor("out", out, rank=4, layout=bshd)
-        if out.shape != o_a.shape or out.dtype != o_a.dtype:
-            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}; expected {tuple(o_a.shape)} {o_a.dtype}")
+        _check_out(out, o_a, "o_a", layout=bshd)
 
 
 def check_on_gpu(**tensors) -> None:
@@ -197,11 +272,6 @@ class DecodeInputShape:
     num_pages: int    # 0 for a contiguous cache
 
 
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
-
-
 def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
     import torch
 
@@ -217,15 +287,13 @@ def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
 
 
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
-                        window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, out=None,
-                        head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256)) -> DecodeInputShape:
+                        window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, return_lse=False,
+                        out=None, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256)) -> DecodeInputShape:
     """Validate the decode API's arguments (shapes, dtypes, options); return the sizes.
 
     Only metadata is read here. The lengths themselves (values of
     cache_seqlens and block_table) are checked by ``check_decode_lengths``.
     """
-    import torch
-
     _check_tensor("q", q, rank=3, layout="[batch, heads_q, head_dim]")
     cache_layout = ("[batch, S_max, heads_kv, head_dim] (contiguous cache) or "
                     "[num_pages, page_size, heads_kv, head_dim] with a block_table (paged cache)")
@@ -237,15 +305,16 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} but v_cache has {tuple(v_cache.shape)}; "
                          "they must match")
+    _check_not_empty("q", q, ("batch", "H_q", "head_dim"))
+    slot_dims = ("batch", "S_max") if block_table is None else ("num_pages", "page_size")
+    _check_not_empty("k_cache", k_cache, (*slot_dims, "H_kv", "head_dim"))
     b, h_q, d = q.shape
     rows, slots, h_kv, d_k = k_cache.shape
-    if b == 0:
-        raise ValueError("empty batch: q has batch size 0")
     if d_k != d:
         raise ValueError(f"q has head_dim {d} but k_cache/v_cache have head_dim {d_k}")
     if d not in head_dims:
         raise ValueError(f"head_dim {d} is not supported; supported: {', '.join(map(str, head_dims))}")
-    if h_kv == 0 or h_q % h_kv:
+    if h_q % h_kv:
         raise ValueError(f"q has {h_q} heads and the cache has {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)")
     _check_index_tensor("cache_seqlens", cache_seqlens, rank=1, layout="[batch] int32")
     if cache_seqlens.shape[0] != b:
@@ -268,26 +337,15 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
         if page_size not in page_sizes:
             raise ValueError(f"page size {page_size} (k_cache.shape[1] of a paged cache) is not supported; "
                              f"supported: {', '.join(map(str, page_sizes))}")
-        if num_pages == 0:
-            raise ValueError("the paged cache has 0 pages")
         capacity = block_table.shape[1] * page_size
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
-    _check_int("window_size_left", window_size_left, minimum=-1)
-    _check_int("num_sink_tokens", num_sink_tokens, minimum=0)
-    _check_int("num_splits", num_splits, minimum=0)
-    if sink_logits is not None:
-        if not isinstance(sink_logits, torch.Tensor):
-            raise TypeError(f"sink_logits must be a torch.Tensor or None; got {type(sink_logits).__name__}")
-        if sink_logits.shape != (h_q,) or sink_logits.dtype != torch.float32 or sink_logits.stride(0) != 1:
-            raise ValueError(
-                f"sink_logits has shape {tuple(sink_logits.shape)} and dtype {sink_logits.dtype}; "
-                f"expected [{h_q}] (one per query head) contiguous float32"
-            )
+    _check_softmax_scale(softmax_scale)
+    _check_int32("window_size_left", window_size_left, minimum=-1)
+    _check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
+    _check_int32("num_splits", num_splits, minimum=0)
+    _check_flag("return_lse", return_lse)
+    _check_sink_logits(sink_logits, h_q)
     if out is not None:
-        _check_tensor("out", out, rank=3, layout="[batch, heads_q, head_dim]")
-        if out.shape != q.shape or out.dtype != q.dtype:
-            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}; expected {tuple(q.shape)} {q.dtype} like q")
+        _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
     return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages)
 
 

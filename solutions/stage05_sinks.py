@@ -346,7 +346,7 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
 
     The row sum is relative to max * scale_log2 (log2 units); the sink term is
     relative to the sink. Both are brought to top = max(max * scale_log2, sink)
-    so neither exp2 can overflow. A row with no visible key and no sink gets O = 0.
+    so neither exp2 can overflow. A row with no visible key gets O = 0, with or without a sink.
     """
     o = rows_cols_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
@@ -354,12 +354,18 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         if row_sum[r] == 0.0:
             inv_sum = cutlass.Float32(0.0)
         if cutlass.const_expr(has_sink):
-            # [exercise 5] With top = max(row_max[r] * scale_log2, sink_log2): rescale = exp2(row_max[r] * scale_log2 - top); inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)).
+            # [exercise 5] With top = max(row_max[r] * scale_log2, sink_log2), 0 if it is -inf: rescale = exp2(row_max[r] * scale_log2 - top); inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)), 0 when that denominator is 0.
             max_scaled = row_max[r] * scale_log2
             top = cute.arch.fmax(max_scaled, sink_log2)
+            # No visible key and a -inf sink: both terms are exp2(-inf) = 0 against 0, as the softmax
+            # does for a -inf max, never exp2(-inf - (-inf)) = NaN; the row is empty: O = 0.
+            if top == -cutlass.Float32.inf:
+                top = cutlass.Float32(0.0)
             rescale = cute.math.exp2(max_scaled - top, fastmath=True)
             denominator = row_sum[r] * rescale + cute.math.exp2(sink_log2 - top, fastmath=True)
             inv_sum = rescale * cute.arch.rcp_approx(denominator)
+            if denominator == 0.0:
+                inv_sum = cutlass.Float32(0.0)
             # [/exercise]
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] *= inv_sum

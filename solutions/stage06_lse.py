@@ -348,8 +348,8 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
     In log2 units the denominator is 2^top * denominator, with top = max * scale_log2
     (and the sink, when there is one, brought to the common reference
     top = max(max * scale_log2, sink)). So LSE = (top + log2(denominator)) * ln 2,
-    which is -inf for a row with no visible key and no sink, and the sink logit
-    for a row with only the sink.
+    which is -inf for a row with no visible key and no sink (or a -inf one), and
+    the sink logit for a row with only the sink.
     """
     o = rows_cols_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
@@ -359,6 +359,10 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         if cutlass.const_expr(has_sink):
             max_scaled = top
             top = cute.arch.fmax(max_scaled, sink_log2)
+            # No visible key and a -inf sink: both terms are exp2(-inf) = 0 against 0, as the softmax
+            # does for a -inf max, never exp2(-inf - (-inf)) = NaN; the row is empty: O = 0, LSE = -inf.
+            if top == -cutlass.Float32.inf:
+                top = cutlass.Float32(0.0)
             rescale = cute.math.exp2(max_scaled - top, fastmath=True)
             denominator = row_sum[r] * rescale + cute.math.exp2(sink_log2 - top, fastmath=True)
         inv_sum = rescale * cute.arch.rcp_approx(denominator)

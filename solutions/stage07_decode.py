@@ -811,7 +811,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     shape = validation.check_decode_inputs(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
         window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
-        num_splits=num_splits, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
+        num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
     )
     if check_lengths and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         validation.check_decode_lengths(cache_seqlens, block_table, shape)

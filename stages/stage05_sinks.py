@@ -344,7 +344,7 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
 
     The row sum is relative to max * scale_log2 (log2 units); the sink term is
     relative to the sink. Both are brought to top = max(max * scale_log2, sink)
-    so neither exp2 can overflow. A row with no visible key and no sink gets O = 0.
+    so neither exp2 can overflow. A row with no visible key gets O = 0, with or without a sink.
     """
     o = rows_cols_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
@@ -352,8 +352,8 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         if row_sum[r] == 0.0:
             inv_sum = cutlass.Float32(0.0)
         if cutlass.const_expr(has_sink):
-            # TODO(stage 5): With top = max(row_max[r] * scale_log2, sink_log2): rescale = exp2(row_max[r] * scale_log2 - top); inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)).
-            raise NotImplementedError('TODO(stage 5) in normalize_rows(): With top = max(row_max[r] * scale_log2, sink_log2): rescale = exp2(row_max[r] * scale_log2 - top); inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)). Hints: docs/stages/05-sinks.md')
+            # TODO(stage 5): With top = max(row_max[r] * scale_log2, sink_log2), 0 if it is -inf: rescale = exp2(row_max[r] * scale_log2 - top); inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)), 0 when that denominator is 0.
+            raise NotImplementedError('TODO(stage 5) in normalize_rows(): With top = max(row_max[r] * scale_log2, sink_log2), 0 if it is -inf: rescale = exp2(row_max[r] * scale_log2 - top); inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)), 0 when that denominator is 0. Hints: docs/stages/05-sinks.md')
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] *= inv_sum
 # --8<-- [end:normalize]
