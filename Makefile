@@ -1,6 +1,7 @@
 # The two commands of the course (see README.md). Each sets itself up on first use:
 # a virtual environment in .venv with PyTorch ($(TORCH_SPEC)) and this project's
-# dependencies (the CuTe DSL, pytest, mkdocs-material, Jupyter pieces).
+# dependencies (the CuTe DSL, pytest, mkdocs-material, Jupyter pieces, and transformers for the
+# models backend and its capstone notebook).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch
@@ -18,5 +19,5 @@ test: $(READY)
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,models]"
 	touch $(READY)

@@ -1,4 +1,4 @@
-"""The course command line: ``python -m course status | check N | bench | sanitize | skeletons | diffs``."""
+"""The course command line: ``python -m course status | check N | bench | model-bench | sanitize | skeletons | diffs``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def main(argv=None) -> int:
     bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
     bench.add_argument("--out", default=None, help="folder for bench.json/.md/.png (default: docs/results)")
     bench.add_argument("--repeats", type=int, default=50)
+    model_bench = sub.add_parser("model-bench", help="time models end to end on the course backend next to "
+                                 "transformers' attention (needs a Hopper GPU and the models extra)")
+    model_bench.add_argument("--out", default=None, help="folder for models.json/.md/.png (default: docs/results)")
+    model_bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
+    model_bench.add_argument("--repeats", type=int, default=10)
+    model_bench.add_argument("--render", action="store_true", help="only rewrite models.md from models.json")
     sanitize = sub.add_parser("sanitize", help="run the stages' kernels under compute-sanitizer (Hopper GPU)")
     sanitize.add_argument("stage", type=int, nargs="*", help="stage numbers (default: every ready stage)")
     sanitize.add_argument("--tool", action="append", choices=("memcheck", "racecheck", "synccheck"),
@@ -39,6 +45,16 @@ def main(argv=None) -> int:
         if args.out:
             kwargs["out_dir"] = args.out
         bench_mod.run(args.stage, **kwargs)
+        return 0
+    if args.command == "model-bench":
+        from course import model_bench
+
+        out_dir = args.out or model_bench.DEFAULT_OUT
+        if args.render:
+            model_bench.render(out_dir)
+            print(f"wrote {model_bench.MODELS_MD} in {out_dir}")
+        else:
+            model_bench.run(out_dir=out_dir, impl=args.impl, repeats=args.repeats)
         return 0
     if args.command == "sanitize":
         from course import sanitize as sanitize_mod

@@ -79,10 +79,18 @@ def test_notebook_is_committed_without_outputs(path):
     )
 
 
+# Notebooks that need an optional extra of pyproject.toml: {notebook: (module, extra)}. `make test` installs it.
+NOTEBOOK_EXTRAS = {"10_gpt_oss.ipynb": ("transformers", "models")}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path):
     import nbformat
     from nbclient import NotebookClient
+
+    if path.name in NOTEBOOK_EXTRAS:
+        module, extra = NOTEBOOK_EXTRAS[path.name]
+        pytest.importorskip(module, reason=f"{path.name} needs the {extra} extra: pip install -e '.[{extra}]'")
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
@@ -104,6 +112,40 @@ def test_results_tables_are_generated(tmp_path):
             f"docs/results/{name} is not what course.results renders from bench.json; "
             "regenerate it with `python -m course.results` (never edit it by hand)"
         )
+
+
+def test_models_table_is_generated():
+    """docs/results/models.md is what `python -m course model-bench --render` writes from models.json (or,
+    before the first measurement, its "not measured yet" text)."""
+    import json
+
+    from course import model_bench
+
+    source = ROOT / "docs" / "results" / model_bench.MODELS_JSON
+    expected = model_bench.table(json.loads(source.read_text()) if source.exists() else None)
+    assert (ROOT / "docs" / "results" / model_bench.MODELS_MD).read_text() == expected, (
+        "docs/results/models.md is not what course.model_bench renders; regenerate it with "
+        "`python -m course model-bench --render` (never edit it by hand)"
+    )
+
+
+def test_models_table_shows_every_row():
+    """The renderer on a made-up measurement (never written anywhere): times, a refused backend, an error."""
+    from course import model_bench
+
+    env = {"gpu": "GPU", "driver": "1", "torch": "2", "transformers": "5.23.0", "nvidia_cutlass_dsl": "4",
+           "date": "today", "course": {"prefill": 6, "decode": 7, "impl": "solutions"}}
+    rows = [{"model": "gpt-oss", "backend": "sdpa", "error": "transformers refuses it: no SDPA"}]
+    rows += [{"model": "gpt-oss", "backend": backend, "phase": "decode", "batch": 1, "tokens": 4096, "ms": ms}
+             for backend, ms in (("course", 2.0), ("eager", 5.0))]
+    rows.append({"model": "llama", "backend": "eager", "phase": "prefill", "batch": 1, "tokens": 4096,
+                 "error": "out of memory"})
+    results = {"environment": env, "decode_steps": 32, "rows": rows}
+    text = model_bench.table(results)
+    assert "| GPT-OSS, 8 layers | decode, 32 steps after 4096 tokens | 2.00 | refused | 5.00 | 2.50x |" in text
+    assert "| Llama, same attention | prefill, 4096 tokens | refused | refused | out of memory | - |" in text
+    assert "- GPT-OSS, 8 layers, sdpa: transformers refuses it: no SDPA" in text
+    assert [ax.get_title() for ax in model_bench.figure(results).axes] == ["decode, 32 steps after 4096 tokens"]
 
 
 def test_results_tables_cover_every_measured_stage():

@@ -1,0 +1,219 @@
+"""End to end: models on the course backend next to transformers' own attention, prefill and decode.
+
+    python -m course model-bench --out docs/results    # Hopper GPU: models.json, models.md, models.png
+    python -m course model-bench --render              # models.json -> models.md again, on any machine
+
+Two models with GPT-OSS-20b's layer shapes and random weights (model weights are not downloaded here):
+GPT-OSS itself (64 query heads over 8 KV heads, head dim 64, sink logits, 128-token windows on every
+other layer, 4 experts per token, hidden size 2880, its 201k vocabulary) with 8 layers instead of 24,
+and a Llama with the same attention shapes and no sinks or windows. In bfloat16, as transformers
+runs them eagerly: the whole forward is timed, Python and every layer included, with CUDA events
+after warm-up (the median of ``repeats`` runs). Prefill is one forward over a prompt of B=1 into a
+fresh cache; decode is the time per token of ``DECODE_STEPS`` one-token steps after a prompt.
+
+Each backend transformers refuses for a model (GPT-OSS has no SDPA path: SDPA cannot add its sinks),
+or that runs out of memory, is a row that says so. Never edit the outputs by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+from course import bench
+
+DEFAULT_OUT = bench.DEFAULT_OUT
+MODELS_JSON, MODELS_MD, MODELS_PNG = "models.json", "models.md", "models.png"
+BACKENDS = ("course", "sdpa", "eager")
+PROMPTS = (1024, 4096)
+DECODE_PROMPT = 4096
+DECODE_STEPS = 32
+TITLES = {"gpt-oss": "GPT-OSS, 8 layers", "llama": "Llama, same attention"}
+
+
+def bench_configs() -> dict:
+    from course import models
+
+    shapes = dict(num_layers=8, hidden_size=2880, vocab_size=201088)
+    return {"gpt-oss": models.gpt_oss_config(**shapes), "llama": models.llama_config(**shapes)}
+
+
+def time_prefill(model, ids, repeats: int) -> float:
+    """Median milliseconds of one forward over ``ids`` into a fresh DynamicCache."""
+    import transformers
+
+    return bench.time_cuda(lambda: model(ids, past_key_values=transformers.DynamicCache(config=model.config),
+                                         use_cache=True), warmup=2, repeats=repeats)
+
+
+def time_decode(model, prompt_ids, step_ids, repeats: int, warmup: int = 2) -> float:
+    """Median milliseconds per token of one-token steps (``step_ids`` [B, steps]) after ``prompt_ids``."""
+    import torch
+    import transformers
+
+    per_token = []
+    for _ in range(warmup + repeats):
+        cache = transformers.DynamicCache(config=model.config)
+        model(prompt_ids, past_key_values=cache, use_cache=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(step_ids.shape[1]):
+            model(step_ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+        end.record()
+        torch.cuda.synchronize()
+        per_token.append(start.elapsed_time(end) / step_ids.shape[1])
+    return statistics.median(per_token[warmup:])
+
+
+def measurements(model, vocab_size: int, repeats: int):
+    """(phase, tokens, fn() -> ms) for every timing of one model with its current attention backend."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def ids(length):
+        return torch.randint(0, vocab_size, (1, length), generator=gen, device="cuda")
+
+    for tokens in PROMPTS:
+        yield "prefill", tokens, lambda prompt=ids(tokens): time_prefill(model, prompt, repeats)
+    prompt, steps = ids(DECODE_PROMPT), ids(DECODE_STEPS)
+    yield "decode", DECODE_PROMPT, lambda: time_decode(model, prompt, steps, repeats)
+
+
+def bench_model(name: str, config, repeats: int) -> list[dict]:
+    import torch
+
+    from course import models
+
+    model = models.random_model(config, device="cuda").to(torch.bfloat16)
+    rows = []
+    for backend in BACKENDS:
+        base = {"model": name, "backend": backend}
+        try:
+            model.set_attn_implementation(backend)
+        except (ValueError, ImportError) as error:
+            rows.append({**base, "error": f"transformers refuses it: {str(error).splitlines()[0]}"})
+            continue
+        for phase, tokens, measure in measurements(model, config.vocab_size, repeats):
+            row = {**base, "phase": phase, "batch": 1, "tokens": tokens}
+            try:
+                with torch.no_grad():
+                    row["ms"] = measure()
+            except torch.cuda.OutOfMemoryError:
+                row["error"] = "out of memory"
+                torch.cuda.empty_cache()
+            rows.append(row)
+            outcome = f"{row['ms']:.2f} ms" if "ms" in row else row["error"]
+            print(f"  {name} {backend:>6} {phase:>7} {tokens:>5} tokens: {outcome}")
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def environment() -> dict:
+    from importlib import metadata
+
+    from course import ops
+
+    return {**bench.environment(), "transformers": metadata.version("transformers"), "course": asdict(ops.backing())}
+
+
+def run(*, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 10) -> dict:
+    import torch
+
+    from course import ops
+
+    if not torch.cuda.is_available():
+        raise SystemExit("course model-bench times models on the GPU: it needs a Hopper GPU (sm_90)")
+    ops.use_stages(impl=impl)
+    configs = bench_configs()
+    results = {"environment": environment(), "decode_steps": DECODE_STEPS,
+               "rows": [row for name, config in configs.items() for row in bench_model(name, config, repeats)]}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MODELS_JSON).write_text(json.dumps(results, indent=2) + "\n")
+    render(out_dir)
+    written = [MODELS_JSON, MODELS_MD]
+    if any("ms" in row for row in results["rows"]):  # the table links the plot only then
+        figure(results).savefig(out_dir / MODELS_PNG, dpi=110, facecolor="white")
+        written.append(MODELS_PNG)
+    print(f"wrote {', '.join(written)} in {out_dir}")
+    return results
+
+
+# ---------------------------------------------------------------- the table and the plot
+
+def _cell(rows: list[dict], backend: str) -> str:
+    """Milliseconds, the error of a run that failed, or "refused" (transformers has no such backend here)."""
+    row = next((r for r in rows if r["backend"] == backend), None)
+    if row is None:
+        return "refused"
+    return f"{row['ms']:.2f}" if "ms" in row else row["error"]
+
+
+def _phase(phase: str, tokens: int, steps: int) -> str:
+    return f"prefill, {tokens} tokens" if phase == "prefill" else f"decode, {steps} steps after {tokens} tokens"
+
+
+def table(results: dict | None) -> str:
+    """The Markdown of models.md: the environment and one row per (model, phase), one column per backend."""
+    lines = [f"<!-- Generated by `python -m course model-bench` from docs/results/{MODELS_JSON}. "
+             "Do not edit by hand. -->", ""]
+    if results is None:
+        return "\n".join(lines + ["Not measured yet: on a Hopper GPU, `python -m course model-bench --out "
+                                  "docs/results` times the models and writes this table."]) + "\n"
+    env, rows = results["environment"], results["rows"]
+    lines += [f"Measured on {env['gpu']} (driver {env['driver']}), PyTorch {env['torch']}, transformers "
+              f"{env['transformers']}, nvidia-cutlass-dsl {env['nvidia_cutlass_dsl']}, {env['date']}; the course "
+              f"backend on prefill stage {env['course']['prefill']} and decode stage {env['course']['decode']} "
+              f"({env['course']['impl']}). Milliseconds, bfloat16, batch 1; decode is per token.", ""]
+    refused = [r for r in rows if "phase" not in r]
+    measured = [r for r in rows if "phase" in r]
+    lines += ["| model | what | " + " | ".join(BACKENDS) + " | course vs eager |",
+              "|---|---|" + "---:|" * (len(BACKENDS) + 1)]
+    for key in dict.fromkeys((r["model"], r["phase"], r["tokens"]) for r in measured):
+        same = [r for r in measured if (r["model"], r["phase"], r["tokens"]) == key]
+        ours, eager = (next((r.get("ms") for r in same if r["backend"] == b), None) for b in ("course", "eager"))
+        cells = [_cell(same, backend) for backend in BACKENDS]
+        speedup = f"{eager / ours:.2f}x" if ours and eager else "-"
+        lines.append(f"| {TITLES[key[0]]} | {_phase(key[1], key[2], results['decode_steps'])} | "
+                     + " | ".join(cells) + f" | {speedup} |")
+    lines += ["", *(f"- {TITLES[r['model']]}, {r['backend']}: {r['error']}" for r in refused)]
+    if measured:
+        lines += ["", f"![Prefill and decode time of each model and attention backend](results/{MODELS_PNG})"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render(results_dir: Path | str = DEFAULT_OUT) -> str:
+    """Write models.md from models.json in ``results_dir`` (or the "not measured yet" text without it)."""
+    results_dir = Path(results_dir)
+    source = results_dir / MODELS_JSON
+    text = table(json.loads(source.read_text()) if source.exists() else None)
+    (results_dir / MODELS_MD).write_text(text)
+    return text
+
+
+def figure(results: dict):
+    """One panel per (phase, tokens): milliseconds of each model on each backend that ran."""
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in results["rows"] if "ms" in r]
+    panels = list(dict.fromkeys((r["phase"], r["tokens"]) for r in measured))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (phase, tokens) in zip(axes[0], panels):
+        names = list(TITLES)
+        for i, backend in enumerate(BACKENDS):
+            values = [next((r["ms"] for r in measured if (r["model"], r["backend"], r["phase"], r["tokens"])
+                            == (name, backend, phase, tokens)), 0) for name in names]
+            ax.bar([x + 0.27 * i for x in range(len(names))], values, 0.27, label=backend)
+        ax.set_xticks([x + 0.27 for x in range(len(names))], [TITLES[n] for n in names], fontsize=8)
+        ax.set_title(_phase(phase, tokens, results["decode_steps"]), fontsize=9)
+        ax.set_ylabel("ms per token" if phase == "decode" else "ms")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"End to end on {results['environment']['gpu']} (bfloat16, batch 1; no bar: not run, see the table)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+

@@ -1,0 +1,260 @@
+"""The course's kernels inside Hugging Face transformers models: the ``"course"`` attention backend.
+
+Importing this module registers the backend with transformers'
+``AttentionInterface`` (and its mask with ``AttentionMaskInterface``), so
+
+    import course.models
+    model.set_attn_implementation("course")
+
+runs a GPT-OSS, Llama or Qwen-style model's attention on ``course::attention``
+(every multi-token forward: the prompt) and ``course::decode_attention``
+(one-token steps, over the model's KV cache); course/ops.py says which stage
+backs each op. The mapping:
+
+- transformers' ``sliding_window = W`` shows a query the ``W`` keys ending at
+  its own position (``kv_idx > q_idx - W``): the contract's ``window_size =
+  (W - 1, 0)``, ``window_size_left = W - 1`` in decode;
+- GPT-OSS's ``s_aux`` (one sink logit per query head) is ``sink_logits``, in
+  float32;
+- the layer's ``scaling`` is ``softmax_scale`` (None: 1/sqrt(D)); GQA comes from the shapes;
+- query/key/value arrive as [B, H, S, D]; the kernels take the transposed
+  views [B, S, H, D] as they are (their head dim is contiguous and their
+  other strides are multiples of D), so no copy is made.
+
+How many keys a query sees comes from the cache, as transformers' own masks
+do it: the backend's mask (``visible_key_counts``) is ``None`` when every key
+the cache returns is real (DynamicCache), or the number of real keys per
+sequence when the cache has free slots (StaticCache).
+
+What the backend cannot do raises instead of giving a wrong answer: padded
+batches (an attention mask with zeros; under torch.compile or CUDA-graph
+capture, an assertion in the graph with the same message), any other mask than causal or
+sliding-window (custom 4D masks, bidirectional blocks, packed sequences in
+eager mode), dropout, returning attention weights, soft-capping, non-causal
+attention, and a backward pass. Packed sequences under torch.compile cannot be
+told apart from one sequence without reading the positions, and are not
+detected there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.utils.import_utils import is_tracing
+except ImportError as error:  # the optional extra
+    raise ImportError("course.models needs transformers: pip install -e '.[models]' "
+                      "(the version this course is tested with, transformers==5.23.0)") from error
+
+from course import ops, testing
+
+NAME = "course"
+
+# Keyword arguments a model may pass to the attention function that this backend cannot honour.
+UNSUPPORTED_KWARGS = {
+    "output_attentions": "returning attention weights (output_attentions=True)",
+    "softcap": "logit soft-capping",
+    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q/k)",
+    "cu_seq_lens_k": "packed sequences (cu_seq_lens_q/k)",
+}
+OTHER_BACKENDS = "use attn_implementation='eager' or 'sdpa' for it"
+
+
+# --8<-- [start:mask]
+def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
+                       allow_is_causal_skip=True, use_vmap=False, device=None, **kwargs):
+    """The backend's "mask": None when all ``kv_length`` keys the cache returns are real, else the number
+    of real keys (int32 [B]), which is the decode kernel's ``cache_seqlens``.
+
+    transformers calls it once per forward and mask type (full, sliding) with
+    the cache's sizes: ``q_offset`` tokens were cached before this forward, and
+    the keys returned start at token ``kv_offset``. A StaticCache has slots
+    past the real keys (its ``q_offset`` is a tensor: the count stays on the
+    GPU, so a CUDA graph of a decode step replays with the right lengths).
+    """
+    reject_masks(q_length, attention_mask, allow_is_causal_skip, use_vmap)
+    real = q_offset + q_length - kv_offset
+    if not isinstance(real, torch.Tensor):
+        if real == kv_length:
+            return None
+        real = torch.tensor(real)
+    return torch.clamp(real, max=kv_length).to(device=device, dtype=torch.int32).expand(batch_size).contiguous()
+# --8<-- [end:mask]
+
+
+def reject_masks(q_length, attention_mask, allow_is_causal_skip, use_vmap) -> None:
+    """Raise for what a causal or sliding-window kernel cannot compute: padding, mask functions, packing."""
+    if use_vmap:
+        raise NotImplementedError(f"the course backend computes causal and sliding-window masks only; this model "
+                                  f"adds a mask function (e.g. bidirectional image tokens): {OTHER_BACKENDS}")
+    if not allow_is_causal_skip and q_length > 1 and not is_tracing():
+        raise NotImplementedError("the course backend computes causal and sliding-window masks only; transformers "
+                                  f"asked for another mask (e.g. packed sequences in one row): {OTHER_BACKENDS}")
+    if attention_mask is None:
+        return
+    message = ("the course backend does not support padded batches: the attention mask has padding (zeros). "
+               f"Run sequences of equal length without padding, or {OTHER_BACKENDS}")
+    if is_tracing(attention_mask):
+        torch._assert_async(attention_mask.all(), message)
+    elif not bool(attention_mask.all()):
+        raise ValueError(message)
+
+
+def reject_unsupported(module, attention_mask, dropout, kwargs) -> None:
+    if attention_mask is not None and attention_mask.dim() != 1:
+        raise NotImplementedError(f"the course backend takes no explicit attention mask (got one of shape "
+                                  f"{tuple(attention_mask.shape)}): {OTHER_BACKENDS}")
+    if dropout:
+        raise NotImplementedError(f"the course kernels have no attention dropout (got dropout={dropout}); call "
+                                  "model.eval(), or set attention_dropout=0.0")
+    for name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) not in (None, False):
+            raise NotImplementedError(f"the course backend does not support {what}: {OTHER_BACKENDS}")
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        raise NotImplementedError(f"the course backend computes causal attention only: {OTHER_BACKENDS}")
+
+
+def window_left(sliding_window) -> int:
+    """transformers' ``sliding_window = W`` (W keys, the query's own included) as the contract's left bound."""
+    return sliding_window - 1 if sliding_window else -1
+
+
+# --8<-- [start:backend]
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                      s_aux=None, **kwargs):
+    """The attention function transformers calls in each layer: [B, H, S, D] in, ([B, S_q, H_q, D], None) out.
+
+    ``attention_mask`` is what ``visible_key_counts`` returned. A forward of
+    one token per sequence is a decode step; any longer one goes to prefill.
+    """
+    reject_unsupported(module, attention_mask, dropout, kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views, no copy
+    features = dict(softmax_scale=scaling, sink_logits=None if s_aux is None else s_aux.float().contiguous())
+    if q.shape[1] == 1:
+        out = decode(q[:, 0], k, v, attention_mask, window_size_left=window_left(sliding_window), **features)
+        return out.unsqueeze(1), None
+    return prefill(q, k, v, attention_mask, window_size_left=window_left(sliding_window), **features), None
+
+
+def decode(q, k, v, key_counts, **features):
+    """One query token per sequence against the cache: ``course::decode_attention``."""
+    if key_counts is None:
+        key_counts = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
+    return torch.ops.course.decode_attention(q, k, v, key_counts, check_lengths=False, **features)
+
+
+def prefill(q, k, v, key_counts, **features):
+    """The prompt (or a chunk of it): ``course::attention``, causal, queries aligned with the last keys.
+
+    With a StaticCache the keys include free slots: the real ones are cut out
+    first, which reads their count on the host (one synchronization per layer).
+    """
+    if key_counts is not None:
+        real = int(key_counts.max())
+        k, v = k[:, :real], v[:, :real]
+    return torch.ops.course.attention(q, k, v, causal=True, **features)
+# --8<-- [end:backend]
+
+
+def register() -> str:
+    """Register the backend (attention function and mask) under ``NAME``; returns the name."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, visible_key_counts)
+    return NAME
+
+
+register()
+
+
+# ---------------------------------------------------------------- small models with random weights
+
+# --8<-- [start:configs]
+def gpt_oss_config(num_layers: int = 4, hidden_size: int = 512, vocab_size: int = 2048, **overrides):
+    """GPT-OSS's attention exactly, the rest small: 64 query heads over 8 KV heads, head dim 64, a sink
+    logit per head, sliding-window (128) layers alternating with full ones.
+
+    Every token uses all 4 experts (top-k = number of experts): the router then
+    has no top-k cut whose winner could flip between fp32 and bf16, so the logits
+    of two precisions differ only by rounding.
+    """
+    settings = dict(num_hidden_layers=num_layers, hidden_size=hidden_size, intermediate_size=hidden_size,
+                    vocab_size=vocab_size, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    sliding_window=128, num_local_experts=4, num_experts_per_tok=4)
+    return transformers.GptOssConfig(**{**settings, **overrides})
+
+
+def llama_config(num_layers: int = 4, hidden_size: int = 512, vocab_size: int = 2048, **overrides):
+    """A Llama with the same attention shapes (64 / 8 heads, head dim 64) and no sinks or windows."""
+    settings = dict(num_hidden_layers=num_layers, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                    vocab_size=vocab_size, num_attention_heads=64, num_key_value_heads=8, head_dim=64)
+    return transformers.LlamaConfig(**{**settings, **overrides})
+# --8<-- [end:configs]
+
+
+def random_model(config, *, seed: int = 0, device="cpu", experts_implementation: str | None = None):
+    """A float32 model of ``config`` with random weights, in eval mode, on ``device``.
+
+    GPT-OSS's sink logits are drawn from N(0, 1) rather than its tiny default
+    init, so that they change the softmax as trained sinks do.
+    ``experts_implementation`` (GPT-OSS) picks transformers' mixture-of-experts
+    code; ``"batched_mm"`` runs in any dtype on any device and has no
+    data-dependent shapes (torch.compile, CUDA graphs).
+    """
+    torch.manual_seed(seed)
+    extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    with torch.device(device):  # initialized where it runs: a billion random weights are slow on a CPU
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                parameter.normal_()
+    return model.eval()
+
+
+def in_dtype(model, dtype, attn_implementation: str):
+    """A copy of ``model`` in ``dtype`` that uses ``attn_implementation``."""
+    copied = copy.deepcopy(model).to(dtype)
+    copied.set_attn_implementation(attn_implementation)
+    return copied
+
+
+def incremental_logits(model, ids, prompt: int, cache=None):
+    """Logits [B, S - prompt + 1, V] at positions prompt - 1 ... S - 1 of ``ids`` [B, S]: the first ``prompt``
+    tokens in one forward (prefill), then one token per forward over the KV cache (decode steps).
+
+    ``cache``: the transformers cache to fill (a DynamicCache when None).
+    """
+    cache = cache if cache is not None else transformers.DynamicCache(config=model.config)
+    out = model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    for i in range(prompt, ids.shape[1]):
+        logits.append(model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+def graph_safe_cache(model, max_cache_len: int):
+    """A static KV cache that a raw CUDA graph of a decode step can replay: every layer, sliding-window
+    layers included, keeps all ``max_cache_len`` tokens, and the kernels apply the windows.
+
+    transformers' StaticCache gives sliding-window layers a ring of ``sliding_window`` slots whose fill
+    level is a Python int, and builds index tensors from it: a graph would freeze both at capture. Here
+    every layer's length is a GPU tensor, so ``visible_key_counts`` hands the decode kernel the right
+    length at every replay.
+    """
+    from transformers.cache_utils import Cache, StaticLayer
+
+    return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(model.config.num_hidden_layers)])
+
+
+def logit_errors(logits, baseline, reference) -> testing.ErrorReport:
+    """The yardstick of the course's tests, for logits: the errors of ``logits`` (the course backend) and of
+    ``baseline`` (transformers' eager attention in the same dtype) against ``reference`` (eager in float32).
+    ``.ok`` when the course's are within 2x of the baseline's (plus a small epsilon)."""
+    ours = (logits.float() - reference.float()).abs()
+    theirs = (baseline.float() - reference.float()).abs()
+    return testing.ErrorReport(ours.max().item(), ours.mean().item(), theirs.max().item(), theirs.mean().item())

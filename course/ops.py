@@ -1,0 +1,179 @@
+"""The course's final kernels as PyTorch custom ops: ``course::attention`` and ``course::decode_attention``.
+
+Registered with ``torch.library``, each op has a fake (meta) implementation
+that only computes the output's shape, so ``torch.compile(fullgraph=True)``
+traces a model that calls them without running a kernel, and CUDA-graph
+capture records the kernels like any other launch. The ops are forward-only:
+a backward through them raises.
+
+Which code backs the ops is one setting, ``use_stages``:
+
+- ``prefill``: the prefill stage (``attention`` on [B, S, H, D]). The final
+  prefill kernel is stage 8 (FA3-class); until it lands, stage 6. When it
+  does, ``PREFILL_STAGE = 8`` below is the one line to change.
+- ``decode``: the decode stage (``decode_attention``), stage 7.
+- ``impl``: ``"solutions"`` (the reference solutions), ``"stages"`` (your
+  code), or ``"reference"``: course/reference.py in float64, after the
+  kernels' own input validation (all but the device check), so that a CPU can
+  check what a model hands the kernels.
+
+The environment variables ``COURSE_PREFILL_STAGE``, ``COURSE_DECODE_STAGE``
+and ``COURSE_IMPL`` set the same three at import.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from course import reference, stages, validation
+
+PREFILL_STAGE = 6  # the final prefill kernel; stage 8 (FA3-class prefill) takes over here once it lands
+DECODE_STAGE = 7
+IMPLS = (*stages.IMPLS, "reference")
+
+
+@dataclass(frozen=True)
+class Backing:
+    """What runs behind the ops: a prefill stage, a decode stage, and whose code."""
+
+    prefill: int = PREFILL_STAGE
+    decode: int = DECODE_STAGE
+    impl: str = "solutions"
+
+
+def _checked(backing: Backing) -> Backing:
+    if backing.impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {backing.impl!r}")
+    for kind, number in (("prefill", backing.prefill), ("decode", backing.decode)):
+        stage = stages.get(number)
+        if stage.kind != kind:
+            raise ValueError(f"stage {number} ({stage.title}) is a {stage.kind} stage; {kind}= takes a {kind} stage")
+    return backing
+
+
+_backing = _checked(Backing(int(os.environ.get("COURSE_PREFILL_STAGE", PREFILL_STAGE)),
+                            int(os.environ.get("COURSE_DECODE_STAGE", DECODE_STAGE)),
+                            os.environ.get("COURSE_IMPL", "solutions")))
+
+
+def use_stages(prefill: int | None = None, decode: int | None = None, impl: str | None = None) -> Backing:
+    """Choose what backs the ops from now on (``None`` keeps the current choice); returns the new setting.
+
+    The choice is read at every call, so it also applies to models compiled before it.
+    """
+    global _backing
+    changes = {name: value for name, value in (("prefill", prefill), ("decode", decode), ("impl", impl))
+               if value is not None}
+    _backing = _checked(replace(_backing, **changes))
+    return _backing
+
+
+def backing() -> Backing:
+    """The current setting."""
+    return _backing
+
+
+# ---------------------------------------------------------------- the float64 reference behind impl="reference"
+
+def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
+                        num_sink_tokens=0):
+    """course.reference.attention on inputs the prefill kernels accept; O in q's dtype."""
+    validation.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
+    return reference.attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               sink_logits=sink_logits, num_sink_tokens=num_sink_tokens).to(q.dtype)
+
+
+def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                               window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
+                               check_lengths=True):
+    """course.reference.decode_attention on inputs the decode kernel accepts; O in q's dtype."""
+    shape = validation.check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                           softmax_scale=softmax_scale, window_size_left=window_size_left,
+                                           sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                                           num_splits=num_splits)
+    if check_lengths:
+        validation.check_decode_lengths(cache_seqlens, block_table, shape)
+    return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                      softmax_scale=softmax_scale, window_size_left=window_size_left,
+                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens).to(q.dtype)
+
+
+def prefill_function():
+    """The ``attention`` function the setting picks."""
+    if _backing.impl == "reference":
+        return reference_attention
+    return stages.get(_backing.prefill).load(_backing.impl).attention
+
+
+def decode_function():
+    """The ``decode_attention`` function the setting picks."""
+    if _backing.impl == "reference":
+        return reference_decode_attention
+    return stages.get(_backing.decode).load(_backing.impl).decode_attention
+
+
+# ---------------------------------------------------------------- the ops
+
+# --8<-- [start:attention_op]
+@torch.library.custom_op("course::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink_logits: Optional[torch.Tensor] = None,
+              softmax_scale: Optional[float] = None, causal: bool = False, window_size_left: int = -1,
+              window_size_right: int = -1, num_sink_tokens: int = 0) -> torch.Tensor:
+    """Prefill attention (docs/contract.md) on [B, S, H, D]: O [B, S_q, H_q, D], a new contiguous tensor."""
+    return prefill_function()(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                              window_size=(window_size_left, window_size_right), sink_logits=sink_logits,
+                              num_sink_tokens=num_sink_tokens)
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
+                    window_size_right=-1, num_sink_tokens=0):
+    return q.new_empty(q.shape)
+# --8<-- [end:attention_op]
+
+
+@torch.library.custom_op("course::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                     block_table: Optional[torch.Tensor] = None, sink_logits: Optional[torch.Tensor] = None,
+                     softmax_scale: Optional[float] = None, window_size_left: int = -1, num_sink_tokens: int = 0,
+                     num_splits: int = 0, check_lengths: bool = True) -> torch.Tensor:
+    """Decode attention (docs/contract.md): one query token per sequence, O [B, H_q, D].
+
+    ``check_lengths=False`` skips reading cache_seqlens on the host (a
+    device-to-host copy); a caller that built the lengths itself passes it.
+    """
+    return decode_function()(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                             softmax_scale=softmax_scale, window_size_left=window_size_left,
+                             sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, num_splits=num_splits,
+                             check_lengths=check_lengths)
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None,
+                           softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
+                           check_lengths=True):
+    return q.new_empty(q.shape)
+
+
+def _no_backward(op_name: str):
+    def backward(ctx, grad):
+        raise NotImplementedError(f"{op_name} is forward-only: the course's kernels have no backward pass. "
+                                  "Run the model under torch.no_grad() (inference), or use another attention "
+                                  "implementation to train.")
+
+    return backward
+
+
+def _nothing_to_save(ctx, inputs, output):
+    pass
+
+
+torch.library.register_autograd("course::attention", _no_backward("course::attention"),
+                                setup_context=_nothing_to_save)
+torch.library.register_autograd("course::decode_attention", _no_backward("course::decode_attention"),
+                                setup_context=_nothing_to_save)

@@ -1,0 +1,365 @@
+"""The "course" attention backend for transformers (course/models.py).
+
+CPU: the argument mapping against transformers' own eager attention and mask functions, small GPT-OSS,
+Llama and Qwen2 models on the float64 reference (prompt and decode steps, dynamic and static caches,
+torch.compile), and the inputs the backend refuses. Hopper GPU: the same models on the kernels, in bf16 and
+fp16, within 2x of transformers' eager error against eager fp32; torch.compile; a CUDA graph of a decode step.
+"""
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: these tests need the models extra, "
+                           "pip install -e '.[models]'")
+
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager  # noqa: E402
+from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager  # noqa: E402
+
+from course import models, ops  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture
+def backed_by():
+    """``backed_by(**setting)`` switches what backs the ops for one test; the setting is restored after it."""
+    before = ops.backing()
+    yield ops.use_stages
+    ops.use_stages(**dataclasses.asdict(before))
+
+
+# ---------------------------------------------------------------- the argument mapping, one layer (CPU)
+
+def transformers_attention(q, k, v, *, scaling, sliding_window, sinks, query_offset):
+    """transformers' own eager attention (GPT-OSS's with sinks, Llama's without) in float64, with the mask
+    from its own mask functions. q [B, H_q, S_q, D], k/v [B, H_kv, S_k, D]; query i is token query_offset + i."""
+    q_idx = torch.arange(q.shape[2])[:, None] + query_offset
+    kv_idx = torch.arange(k.shape[2])[None, :]
+    visible = (sliding_window_causal_mask_function(sliding_window) if sliding_window
+               else causal_mask_function)(0, 0, q_idx, kv_idx)
+    mask = torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, -math.inf)
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], training=False,
+                             sinks=None if sinks is None else sinks.double())
+    eager = gpt_oss_eager if sinks is not None else llama_eager
+    out, _ = eager(module, q.double(), k.double(), v.double(), mask, scaling=scaling)
+    return out
+
+
+def layer_inputs(seqlen_q, seqlen_k, dtype, *, layout, sinks, seed=0):
+    """q [B, 8, S_q, 64] and k, v [B, 2, S_k, 64] as transformers hands them over: BHSD-contiguous, or
+    transposed views of BSHD memory (what a projection followed by .transpose(1, 2) gives)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(heads, seqlen):
+        if layout == "bhsd":
+            return torch.randn(2, heads, seqlen, 64, generator=gen).to(dtype)
+        return torch.randn(2, seqlen, heads, 64, generator=gen).to(dtype).transpose(1, 2)
+
+    q, k, v = make(8, seqlen_q), make(2, seqlen_k), make(2, seqlen_k)
+    return q, k, v, (torch.randn(8, generator=gen) * 2).to(dtype) if sinks else None
+
+
+MAPPING_CASES = {  # (S_q, S_k, sliding_window): prompt, chunk after a cache, decode steps
+    "prompt-full": (40, 40, None), "prompt-window1": (40, 40, 1), "prompt-window7": (40, 40, 7),
+    "chunk-after-cache-window7": (10, 50, 7), "decode-full": (1, 50, None), "decode-window1": (1, 50, 1),
+    "decode-window7": (1, 50, 7), "decode-window-longer-than-cache": (1, 5, 7),
+}
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd-view"])
+@pytest.mark.parametrize("sinks", [True, False], ids=["sinks", "no-sinks"])
+@pytest.mark.parametrize("case", MAPPING_CASES.values(), ids=MAPPING_CASES.keys())
+def test_backend_matches_transformers_eager_attention(backed_by, case, sinks, layout):
+    """sliding_window = W is W keys with the query's own (left bound W - 1), s_aux is the sink logit,
+    scaling the softmax scale, GQA from the shapes: the backend's output is transformers' eager result
+    (float64, its own mask functions) up to the rounding of the fp16 output."""
+    backed_by(impl="reference")
+    seqlen_q, seqlen_k, window = case
+    q, k, v, s_aux = layer_inputs(seqlen_q, seqlen_k, torch.float16, layout=layout, sinks=sinks)
+    out, weights = models.attention_forward(SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.2,
+                                            sliding_window=window, s_aux=s_aux)
+    expected = transformers_attention(q, k, v, scaling=0.2, sliding_window=window, sinks=s_aux,
+                                      query_offset=seqlen_k - seqlen_q)
+    assert weights is None and out.shape == (2, seqlen_q, 8, 64) and out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-3)
+
+
+def test_static_cache_free_slots_are_not_attended(backed_by):
+    """With a StaticCache the keys include free slots; the backend's mask is the count of real keys."""
+    backed_by(impl="reference")
+    q, k, v, s_aux = layer_inputs(1, 64, torch.float16, layout="bhsd", sinks=True)
+    k[:, :, 30:], v[:, :, 30:] = float("nan"), float("nan")  # free slots
+    counts = models.visible_key_counts(2, 1, kv_length=64, q_offset=torch.tensor(29), device="cpu")
+    out, _ = models.attention_forward(SimpleNamespace(is_causal=True), q, k, v, counts, scaling=0.2,
+                                      sliding_window=7, s_aux=s_aux)
+    expected = transformers_attention(q, k[:, :, :30], v[:, :, :30], scaling=0.2, sliding_window=7,
+                                      sinks=s_aux, query_offset=29)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-3)
+
+
+def test_mask_is_none_when_every_returned_key_is_real():
+    """DynamicCache: the keys returned are all real, so the decode kernel gets their number from the shape."""
+    assert models.visible_key_counts(2, 1, kv_length=51, q_offset=50) is None               # full layer
+    assert models.visible_key_counts(2, 1, kv_length=128, q_offset=300, kv_offset=173) is None  # sliding
+    counts = models.visible_key_counts(3, 1, kv_length=64, q_offset=torch.tensor(9), device="cpu")
+    assert counts.tolist() == [10, 10, 10] and counts.dtype == torch.int32
+
+
+# ---------------------------------------------------------------- whole models (CPU: reference; GPU: kernels)
+
+def cpu_config(family):
+    """Small models whose windows (16 keys) prompts of 48 tokens cross: an off-by-one shows in the logits."""
+    small = dict(num_layers=2, hidden_size=256, vocab_size=512)
+    if family == "gpt-oss":
+        return models.gpt_oss_config(**small, sliding_window=16)
+    if family == "llama":
+        return models.llama_config(**small)
+    return transformers.Qwen2Config(num_hidden_layers=2, hidden_size=512, intermediate_size=512, vocab_size=512,
+                                    num_attention_heads=8, num_key_value_heads=2, use_sliding_window=True,
+                                    sliding_window=16, max_window_layers=1)
+
+
+def build(config, device):
+    return models.random_model(config, device=device, experts_implementation="batched_mm")
+
+
+def token_ids(config, batch, seqlen, device):
+    return torch.randint(0, config.vocab_size, (batch, seqlen), generator=torch.Generator().manual_seed(1)).to(device)
+
+
+def assert_within_yardstick(logits, baseline, reference, where):
+    report = models.logit_errors(logits, baseline, reference)
+    assert report.ok, f"{where}: the course backend's logits are off: {report}"
+
+
+def check_full_sequence(config, dtype, ids):
+    reference = build(config, ids.device)
+    with torch.no_grad():
+        expected = reference(ids).logits
+        baseline = models.in_dtype(reference, dtype, "eager")(ids).logits
+        logits = models.in_dtype(reference, dtype, "course")(ids).logits
+    assert_within_yardstick(logits, baseline, expected, f"{config.model_type} {dtype}, full sequence")
+
+
+def check_incremental(config, dtype, ids, prompt, make_cache=None):
+    """The prompt through the prefill op, then one token per step through the decode op over the cache."""
+    reference = build(config, ids.device)
+    with torch.no_grad():
+        expected = reference(ids).logits[:, prompt - 1:]
+        runs = {}
+        for name in ("eager", "course"):
+            model = models.in_dtype(reference, dtype, name)
+            runs[name] = models.incremental_logits(model, ids, prompt, make_cache(model) if make_cache else None)
+    for step in range(expected.shape[1]):
+        assert_within_yardstick(runs["course"][:, step], runs["eager"][:, step], expected[:, step],
+                                f"{config.model_type} {dtype}, position {prompt - 1 + step}")
+
+
+FAMILIES = ["gpt-oss", "llama", "qwen2"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_sequence_logits_on_the_reference(backed_by, family, dtype):
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    check_full_sequence(config, dtype, token_ids(config, 2, 48, "cpu"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_incremental_decode_on_the_reference(backed_by, family):
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    check_incremental(config, torch.bfloat16, token_ids(config, 2, 48, "cpu"), prompt=30)
+
+
+STATIC_CACHES = {
+    "StaticCache": lambda model: transformers.StaticCache(config=model.config, max_cache_len=64),
+    "graph-safe": lambda model: models.graph_safe_cache(model, max_cache_len=64),
+}
+
+
+@pytest.mark.parametrize("make_cache", STATIC_CACHES.values(), ids=STATIC_CACHES.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_static_caches_on_the_reference(backed_by, family, make_cache):
+    """A static cache holds free slots: the prompt's keys are cut to the real ones, decode gets their count.
+    (transformers' StaticCache gives the window layers a ring of 16 slots; the graph-safe one keeps all.)"""
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    check_incremental(config, torch.bfloat16, token_ids(config, 2, 48, "cpu"), prompt=30, make_cache=make_cache)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_torch_compile_fullgraph_of_a_model(backed_by, family):
+    """Dynamo traces the whole model through the ops' fake implementations, without a graph break."""
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    ids = token_ids(config, 2, 40, "cpu")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- what the backend refuses (CPU)
+
+@pytest.fixture
+def small_gpt_oss(backed_by):
+    backed_by(impl="reference")
+    config = cpu_config("gpt-oss")
+    return models.in_dtype(build(config, "cpu"), torch.bfloat16, "course"), token_ids(config, 2, 20, "cpu")
+
+
+def test_padded_batch_raises(small_gpt_oss):
+    model, ids = small_gpt_oss
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="does not support padded batches"), torch.no_grad():
+        model(ids, attention_mask=mask)
+    with torch.no_grad():  # a mask without padding is fine
+        model(ids, attention_mask=torch.ones_like(ids))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # traced: an assertion in the graph
+    with pytest.raises(RuntimeError, match="does not support padded batches"), torch.no_grad():
+        compiled(ids, attention_mask=mask)
+
+
+def test_custom_4d_mask_raises(small_gpt_oss):
+    model, ids = small_gpt_oss
+    mask = torch.zeros(2, 1, 20, 20, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="takes no explicit attention mask"), torch.no_grad():
+        model(ids, attention_mask=mask)
+
+
+def test_attention_weights_raise(small_gpt_oss):
+    model, ids = small_gpt_oss
+    with pytest.raises(NotImplementedError, match="returning attention weights"), torch.no_grad():
+        model(ids, output_attentions=True)
+
+
+def test_dropout_raises(small_gpt_oss):
+    model, ids = small_gpt_oss
+    model.config.attention_dropout = 0.1
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(NotImplementedError, match="no attention dropout"):
+        model(ids)
+
+
+def test_backward_raises(small_gpt_oss):
+    model, ids = small_gpt_oss
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        model(ids).logits.float().sum().backward()
+
+
+def test_float32_model_is_rejected_by_the_kernels_validation(backed_by):
+    backed_by(impl="reference")
+    config = cpu_config("llama")
+    model = build(config, "cpu")
+    model.set_attn_implementation("course")
+    with pytest.raises(TypeError, match="supported: torch.float16, torch.bfloat16"), torch.no_grad():
+        model(token_ids(config, 1, 8, "cpu"))
+
+
+def test_packed_sequences_raise(backed_by):
+    """Two sequences packed in one row (positions restart) need a block mask: refused in eager mode."""
+    backed_by(impl="reference")
+    config = cpu_config("llama")
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    positions = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    with pytest.raises(NotImplementedError, match="packed sequences"), torch.no_grad():
+        model(token_ids(config, 1, 20, "cpu"), position_ids=positions, use_cache=False)
+
+
+# ---------------------------------------------------------------- on a Hopper GPU: the kernels
+
+def gpu_config(family):
+    """The attention of GPT-OSS (64 / 8 heads, head dim 64, sinks, 128-token windows) or the same shapes in
+    a Llama, in small models: prompts of 300 tokens cross the window and a KV tile boundary."""
+    make = models.gpt_oss_config if family == "gpt-oss" else models.llama_config
+    return make(num_layers=4, hidden_size=256)
+
+
+@pytest.fixture
+def kernels(backed_by, impl):
+    backed_by(impl=impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_full_sequence_logits_on_gpu(kernels, family, dtype):
+    config = gpu_config(family)
+    check_full_sequence(config, dtype, token_ids(config, 2, 300, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_incremental_decode_on_gpu(kernels, family, dtype):
+    """A 200-token prompt, then 20 single-token steps over the cache (the 128-token windows slide)."""
+    config = gpu_config(family)
+    check_incremental(config, dtype, token_ids(config, 2, 220, "cuda"), prompt=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_torch_compile_on_gpu_gives_the_same_logits(kernels, family):
+    config = gpu_config(family)
+    reference = build(config, "cuda")
+    ids = token_ids(config, 2, 300, "cuda")
+    model = models.in_dtype(reference, torch.bfloat16, "course")
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        expected, eager_logits = reference(ids).logits, model(ids).logits
+        logits = compiled(ids).logits
+        baseline = models.in_dtype(reference, torch.bfloat16, "eager")(ids).logits
+    assert_within_yardstick(logits, baseline, expected, f"{family}, torch.compile")
+    torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=2e-2)
+
+
+def graphed_decode_logits(model, ids, prompt):
+    """Like models.incremental_logits over a static cache, but every step after the first is a replay of one
+    CUDA graph of the whole model's decode step (token and position in static buffers)."""
+    cache = models.graph_safe_cache(model, max_cache_len=ids.shape[1])
+    logits = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+    token, position = ids[:, prompt:prompt + 1].clone(), torch.full((1, 1), prompt, device=ids.device)
+
+    def step():
+        return model(token, position_ids=position, past_key_values=cache, use_cache=True).logits[:, -1]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the first step runs eagerly: kernels compiled, decode counters allocated
+        logits.append(step())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        graphed = step()
+    for i in range(prompt + 1, ids.shape[1]):
+        token.copy_(ids[:, i:i + 1])
+        position.fill_(i)
+        graph.replay()
+        logits.append(graphed.clone())
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_cuda_graph_of_a_decode_step_replays_correctly(kernels, family):
+    config = gpu_config(family)
+    reference = build(config, "cuda")
+    ids, prompt = token_ids(config, 2, 220, "cuda"), 200
+    with torch.no_grad():
+        expected = reference(ids).logits[:, prompt - 1:]
+        baseline = models.incremental_logits(models.in_dtype(reference, torch.bfloat16, "eager"), ids, prompt)
+        logits = graphed_decode_logits(models.in_dtype(reference, torch.bfloat16, "course"), ids, prompt)
+    for step in range(logits.shape[1]):
+        assert_within_yardstick(logits[:, step], baseline[:, step], expected[:, step],
+                                f"{family}, CUDA graph replay at position {prompt - 1 + step}")

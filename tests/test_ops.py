@@ -1,0 +1,135 @@
+"""The custom ops course::attention and course::decode_attention: fake implementations, torch.compile,
+the backing setting (CPU), and the kernels behind them in a CUDA graph (Hopper GPU)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from course import ops, reference, testing
+
+
+@pytest.fixture
+def backed_by():
+    """``backed_by(**setting)`` switches what backs the ops for one test; the setting is restored after it."""
+    before = ops.backing()
+    yield ops.use_stages
+    ops.use_stages(**dataclasses.asdict(before))
+
+
+def prefill_inputs(device="cpu", dtype=torch.bfloat16, seqlen_q=40, seqlen_k=40):
+    q, k, v = testing.random_qkv(2, seqlen_q, seqlen_k, 8, 2, 64, dtype, device=device)
+    sinks = torch.randn(8, device=device)
+    return (q, k, v), dict(sink_logits=sinks, softmax_scale=0.1, causal=True, window_size_left=5)
+
+
+def decode_inputs(device="cpu", dtype=torch.bfloat16):
+    inputs = testing.random_decode_inputs([1, 17, 40], 8, 2, 64, dtype, device="cpu")
+    args = tuple(inputs[name].to(device) for name in ("q", "k_cache", "v_cache", "cache_seqlens"))
+    return args, dict(sink_logits=torch.randn(8, device=device), softmax_scale=0.1, window_size_left=5)
+
+
+def test_fake_implementations_give_the_output_shape_on_the_meta_device():
+    (q, k, v), options = prefill_inputs(device="meta", seqlen_q=40, seqlen_k=70)
+    out = torch.ops.course.attention(q, k, v, **options)
+    assert (out.device.type, out.shape, out.dtype) == ("meta", q.shape, q.dtype)
+    assert out.is_contiguous()
+    (q, k_cache, v_cache, seqlens), options = decode_inputs(device="meta")
+    out = torch.ops.course.decode_attention(q, k_cache, v_cache, seqlens, **options)
+    assert (out.device.type, out.shape, out.dtype) == ("meta", q.shape, q.dtype)
+
+
+@pytest.mark.parametrize("make", [prefill_inputs, decode_inputs], ids=["attention", "decode_attention"])
+def test_opcheck(backed_by, make):
+    """torch.library.opcheck: the schema, the fake implementation against the real one, and AOT dispatch."""
+    backed_by(impl="reference")
+    op = torch.ops.course.attention if make is prefill_inputs else torch.ops.course.decode_attention
+    args, options = make()
+    torch.library.opcheck(op, args, options)
+
+
+def test_ops_compute_the_contract_with_the_reference_backing(backed_by):
+    backed_by(impl="reference")
+    (q, k, v), options = prefill_inputs(seqlen_q=30, seqlen_k=50)
+    out = torch.ops.course.attention(q, k, v, **options)
+    expected = reference.attention(q, k, v, softmax_scale=0.1, causal=True, window_size=(5, -1),
+                                   sink_logits=options["sink_logits"])
+    torch.testing.assert_close(out, expected.to(q.dtype), rtol=0, atol=0)
+    (q, k_cache, v_cache, seqlens), options = decode_inputs()
+    out = torch.ops.course.decode_attention(q, k_cache, v_cache, seqlens, **options)
+    expected = reference.decode_attention(q, k_cache, v_cache, seqlens, **options)
+    torch.testing.assert_close(out, expected.to(q.dtype), rtol=0, atol=0)
+
+
+def test_torch_compile_fullgraph_traces_both_ops(backed_by):
+    """Dynamo traces through the ops with their fake implementations: no graph break, the same results."""
+    backed_by(impl="reference")
+    (q, k, v), options = prefill_inputs()
+    decode_args, decode_options = decode_inputs()
+
+    def both(q, k, v, decode_q):
+        out = torch.ops.course.attention(q, k, v, **options)
+        return out * 2, torch.ops.course.decode_attention(decode_q, *decode_args[1:], **decode_options) + 1
+
+    compiled = torch.compile(both, fullgraph=True, backend="aot_eager")
+    for got, expected in zip(compiled(q, k, v, decode_args[0]), both(q, k, v, decode_args[0])):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_the_ops_are_forward_only(backed_by):
+    backed_by(impl="reference")
+    (q, k, v), options = prefill_inputs()
+    q.requires_grad_(True)
+    out = torch.ops.course.attention(q, k, v, **options)
+    with pytest.raises(NotImplementedError, match="course::attention is forward-only"):
+        out.sum().backward()
+
+
+def test_the_setting_picks_the_stage(backed_by):
+    """One setting picks the code behind the ops: a stage without sinks refuses them, naming the stage
+    that adds them; the kernels of the default stage reject CPU tensors only at their device check."""
+    (q, k, v), options = prefill_inputs()
+    backed_by(prefill=4, impl="solutions")
+    with pytest.raises(NotImplementedError, match="stage 5"):
+        torch.ops.course.attention(q, k, v, **options)
+    backed_by(prefill=ops.PREFILL_STAGE)
+    with pytest.raises(ValueError, match="the kernels need CUDA tensors"):
+        torch.ops.course.attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (dict(prefill=7), "stage 7 .* is a decode stage; prefill= takes a prefill stage"),
+    (dict(decode=6), "stage 6 .* is a prefill stage; decode= takes a decode stage"),
+    (dict(impl="mine"), "impl must be one of"),
+])
+def test_use_stages_rejects_a_wrong_setting(backed_by, setting, message):
+    with pytest.raises(ValueError, match=message):
+        backed_by(**setting)
+
+
+@pytest.mark.gpu
+def test_both_ops_replay_in_a_cuda_graph(backed_by, impl):
+    """The ops launch on the current stream: captured in one CUDA graph, they replay with new inputs."""
+    backed_by(impl=impl)
+    (q, k, v), options = prefill_inputs(device="cuda", seqlen_q=300, seqlen_k=300)
+    (dq, k_cache, v_cache, seqlens), decode_options = decode_inputs(device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels and allocate the decode counters off the capture
+        torch.ops.course.attention(q, k, v, **options)
+        torch.ops.course.decode_attention(dq, k_cache, v_cache, seqlens, **decode_options, check_lengths=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = torch.ops.course.attention(q, k, v, **options)
+        decode_out = torch.ops.course.decode_attention(dq, k_cache, v_cache, seqlens, **decode_options,
+                                                       check_lengths=False)
+    for replay in range(3):
+        for t in (q, k, v, dq):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        testing.assert_attention_matches(out, q, k, v, f"replay {replay}", softmax_scale=0.1, causal=True,
+                                         window_size=(5, -1), sink_logits=options["sink_logits"])
+        inputs = dict(q=dq, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=None)
+        testing.assert_decode_matches(decode_out, inputs, f"replay {replay}", **decode_options)
