@@ -1,4 +1,4 @@
-"""The course command line: ``python -m course status | check N | reset N | bench | sanitize | skeletons | diffs``.
+"""The course command line: ``python -m course status | check N | reset N | bench | sanitize | notebooks | skeletons | diffs``.
 
 Run ``python -m course COMMAND --help`` for what a command does and its options.
 """
@@ -76,6 +76,15 @@ def parser() -> argparse.ArgumentParser:
     skeletons.add_argument("--force", action="store_true",
                            help="overwrite edited files too, keeping each as stages/stageNN_*.py.bak-<timestamp>")
 
+    notebooks = sub.add_parser("notebooks", help="run every workshop notebook and write executed copies for the site",
+                               description="Execute notebooks/*.ipynb top to bottom (on a Hopper GPU: the GPU cells "
+                                           "too) and write the executed copies, outputs included, to --out. The docs "
+                                           "site shows those instead of the output-free notebooks/ when they exist.")
+    notebooks.add_argument("--execute", action="store_true", required=True,
+                           help="run every cell (required: notebooks/ itself stays without outputs)")
+    notebooks.add_argument("--out", default=None,
+                           help="folder for the executed copies (default: docs/notebooks-executed/)")
+
     sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)",
                    description="Write docs/diffs/stageNN-stageMM.diff for every pair of consecutive prefill "
                                "solutions (the stage pages include them).")
@@ -133,6 +142,14 @@ def main(argv=None) -> int:
         return sanitize_mod.main(args.stage, tuple(args.tool or sanitize_mod.TOOLS))
     if args.command == "skeletons":
         return run_skeletons(args.force)
+    if args.command == "notebooks":
+        from pathlib import Path
+
+        from course import notebooks as notebooks_mod
+
+        for path in notebooks_mod.write_executed(Path(args.out) if args.out else notebooks_mod.EXECUTED_DIR):
+            print(f"wrote {path}")
+        return 0
     if args.command == "diffs":
         from course import diffs
 

@@ -64,15 +64,21 @@ PLANTED = {
 }
 
 
+def plant(source: str, correct: str, bug: str) -> str:
+    """``source`` with the one occurrence of ``correct`` in its code (not in a comment: hints quote code) replaced."""
+    code = "\n".join(" " * len(line) if line.lstrip().startswith("#") else line for line in source.split("\n"))
+    assert code.count(correct) == 1, (f"the code this bug replaces must appear once; it appears {code.count(correct)} "
+                                      f"times: update PLANTED\n{correct}")
+    at = code.index(correct)
+    return source[:at] + bug + source[at + len(correct):]
+
+
 @pytest.mark.compiles
 @pytest.mark.parametrize("name", list(PLANTED))
 def test_cpu_numerics_catch_a_planted_bug(name, module_from_source):
     number, correct, bug, check = PLANTED[name]
-    stage = stages.get(number)
-    source = stage.path("solutions").read_text()
-    assert source.count(correct) == 1, (f"{stage.module_name}: the text this bug replaces must appear once, "
-                                        f"it appears {source.count(correct)} times: update PLANTED[{name!r}]")
-    module = module_from_source(f"planted_{name.replace('-', '_')}", source.replace(correct, bug))
+    source = plant(stages.get(number).path("solutions").read_text(), correct, bug)
+    module = module_from_source(f"planted_{name.replace('-', '_')}", source)
     with pytest.raises(AssertionError):
         check(module)
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from course import stages, testing, transcripts
+from course import notebooks, stages, testing, transcripts
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK_DIR = ROOT / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+NOTEBOOK_DIR = notebooks.NOTEBOOK_DIR
+NOTEBOOKS = notebooks.notebooks()
 
 
 def test_mkdocs_builds_strict(tmp_path):
@@ -106,13 +106,7 @@ def test_notebook_is_committed_without_outputs(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path):
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
-    client.execute()
+    notebooks.execute(path)
 
 
 def test_results_tables_are_generated(tmp_path):
@@ -333,3 +327,22 @@ def test_exercise_says_which_todos_the_cpu_numerics_cover(stage):
     assert "On the CPU" in section and not missing, (
         f"docs/{stage.docs_page}: the exercise should say, in a sentence starting 'On the CPU', which TODOs the CPU "
         f"numerics run (stage.cpu_numerics in course/stages.py); missing: {missing}")
+
+
+def test_notebook_pages_render_executed_copies_when_present(tmp_path, monkeypatch):
+    """`course notebooks --execute` writes executed copies; the hook renders a notebook's page from its copy."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("course_site", ROOT / "docs" / "hooks" / "course_site.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    monkeypatch.setattr(hook, "EXECUTED_DIR", tmp_path)
+    (tmp_path / NOTEBOOKS[0].name).write_text(NOTEBOOKS[0].read_text())
+
+    def rendered_from(notebook):
+        page = SimpleNamespace(file=SimpleNamespace(src_uri=f"notebooks/{notebook.name}", abs_src_path=str(notebook)))
+        return hook.on_pre_page(page, None, None).file.abs_src_path
+
+    assert rendered_from(NOTEBOOKS[0]) == str(tmp_path / NOTEBOOKS[0].name)
+    assert rendered_from(NOTEBOOKS[1]) == str(NOTEBOOKS[1])  # no executed copy: the committed notebook
