@@ -1,4 +1,6 @@
-"""The course command line: ``python -m course status | check N | reset N | bench | sanitize | notebooks | skeletons | diffs``.
+"""The course command line: ``python -m course COMMAND``.
+
+Commands: status, check N, reset N, bench, sanitize, notebooks, skeletons, diffs.
 
 Run ``python -m course COMMAND --help`` for what a command does and its options.
 """
@@ -104,7 +106,8 @@ def run_skeletons(force: bool) -> int:
               "(keeps a backup of each edited file).")
         return 1
     for path, kept in written:
-        print(f"wrote {path.relative_to(stages.ROOT)}" + (f" (your version: {kept.relative_to(stages.ROOT)})" if kept else ""))
+        mine = f" (your version: {kept.relative_to(stages.ROOT)})" if kept else ""
+        print(f"wrote {path.relative_to(stages.ROOT)}{mine}")
     return 0
 
 

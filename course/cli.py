@@ -238,11 +238,13 @@ def _next_step(stage: stages.Stage) -> str:
 
 def _verdict(stage: stages.Stage, impl: str, selected: bool) -> str:
     """What a run without failures proves: off Hopper, only the compile and the CPU checks."""
-    subject = f"The selected tests of stage {stage.number}" if selected else f"Stage {stage.number}"
-    if testing.gpu_skip_reason() is None:
-        return (f"[green]{subject} {'pass' if selected else 'passes'} on {impl}/[/]: "
-                "compiles for sm_90a, numerics match the reference on this GPU.")
-    return (f"[green]{subject} on {impl}/: compiles for sm_90a, the CPU checks pass[/]; "
+    on_gpu = testing.gpu_skip_reason() is None
+    if selected:
+        return (f"[green]The selected tests of stage {stage.number} pass on {impl}/[/]"
+                + ("." if on_gpu else " (those that need a Hopper GPU are skipped here)."))
+    if on_gpu:
+        return f"[green]Stage {stage.number} passes on {impl}/[/]: compiles for sm_90a, numerics match the reference."
+    return (f"[green]Stage {stage.number} on {impl}/: compiles for sm_90a, the CPU checks pass[/]; "
             "the kernel's numerics are not checked: no Hopper GPU.")
 
 

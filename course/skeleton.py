@@ -150,7 +150,8 @@ def _write_skeleton(stage: Stage, keep_backup: bool) -> Path | None:
 
 
 def reset(stage: Stage) -> Path | None:
-    """Write ``stage``'s skeleton to stages/; the file it replaces is kept as a backup (returned), unless it was the skeleton."""
+    """Write ``stage``'s skeleton to stages/; the file it replaces is kept as a backup (returned),
+    unless it was the skeleton already."""
     path = stage.path("stages")
     return _write_skeleton(stage, keep_backup=path.exists() and path.read_text() != expected_skeleton(stage))
 

@@ -38,8 +38,9 @@ def first_failure(text: str) -> str:
     return text[text.index("Not there yet."):] if "Not there yet." in text else ""
 
 
-def scratch_copy(target: Path) -> Path:
-    """The code, tests and solutions of this repository in ``target``, with stages/ as the generator makes it."""
+def scratch_copy(target: Path, files: dict[str, str]) -> Path:
+    """The code, tests and solutions of this repository in ``target``, with stages/ as the generator makes it,
+    then ``files`` ({path in the repository: text}) written over it."""
     for folder in ("course", "tests", "solutions"):
         shutil.copytree(stages.ROOT / folder, target / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(stages.ROOT / "pyproject.toml", target)
@@ -47,14 +48,17 @@ def scratch_copy(target: Path) -> Path:
     (target / "stages" / "__init__.py").write_text("")
     for stage in skeleton.ready_stages():
         (target / "stages" / stage.path("stages").name).write_text(skeleton.expected_skeleton(stage))
+    for path, text in files.items():
+        (target / path).write_text(text)
     return target
 
 
-def run(commands: dict) -> dict:
-    """{name: what ``python -m course *arguments`` printed} for {name: arguments}, side by side in one scratch copy."""
+def run(commands: dict, files: dict[str, str] | None = None) -> dict:
+    """{name: what ``python -m course *arguments`` printed} for {name: arguments}, side by side in one scratch
+    copy; ``files`` replaces files of the copy (a learner's edit of a skeleton, say)."""
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "COLUMNS")}
     with tempfile.TemporaryDirectory(prefix="course-transcripts-") as tmp:
-        root = scratch_copy(Path(tmp))
+        root = scratch_copy(Path(tmp), files or {})
 
         def output(name: str) -> str:
             done = subprocess.run([sys.executable, "-m", "course", *commands[name]], cwd=root, env=env,

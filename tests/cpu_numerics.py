@@ -146,10 +146,9 @@ def _reject_gpu_only_ops(dsl, module, function_name):
 
 
 def _runtime(value):
+    """A host function's argument: a CuTe view of a torch CPU tensor, or a Python int or float as Int32 / Float32."""
     if isinstance(value, torch.Tensor):
         return from_dlpack(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return value
     return Int32(value) if isinstance(value, int) else Float32(value)
 
 
@@ -191,7 +190,7 @@ def compile_on_cpu(host_fn, static: tuple, args: tuple) -> CpuFunction:
 # ---------------------------------------------------------------- prefill: masks and tile ranges (stages 4+)
 
 def qk_tiled_mma(module):
-    """S = Q K^T partitioned as the kernel does it (qk_mma in Attention.__call__): which register holds which (row, key)."""
+    """S = Q K^T partitioned as the kernel does it (qk_mma in Attention.__call__): the (row, key) of each register."""
     return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K, OperandMajorMode.K,
                                              Float32, (2, 1, 1), (64, module.TILE_N))
 
@@ -527,7 +526,8 @@ def check_attend_rows(module, *, n_tiles: int, seqlen_k: int, features: dict | N
     args = (scores, v_tiles, o, lse, head_dim ** -0.5 * LOG2_E, (sink_logit or 0.0) * LOG2_E)
     compile_on_cpu(attend_rows, (module, n_tiles, sink is not None), args)(*args)
     where = (f"{SOFTMAX_PATHS[min(module.STAGE, 3)]}, {mask_description(features)}, S_k={seqlen_k}"
-             + (f", sink logit {sink_logit}" if sink is not None else "") + (f", logits x{logit_scale}" if logit_scale != 1 else ""))
+             + (f", sink logit {sink_logit}" if sink is not None else "")
+             + (f", logits x{logit_scale}" if logit_scale != 1 else ""))
     assert_rows_match(o, o_ref[0, :, 0], where)
     if module.STAGE >= 6:
         assert_lse_matches(lse, lse_ref[0, 0], where)
@@ -567,7 +567,7 @@ def assert_lse_matches(got: torch.Tensor, expected: torch.Tensor, where: str, un
 
 
 def check_store_lse(module, seqlen_q: int) -> None:
-    """store_lse from every consumer thread of every Q tile: each row < S_q written once with its own LSE, nothing past S_q."""
+    """store_lse from every consumer thread of every Q tile: each row < S_q gets its own LSE, nothing past S_q."""
     lse = torch.full((1, 1, _tiles(seqlen_q, module.TILE_M) * module.TILE_M), math.nan)
     for m_block in range(_tiles(seqlen_q, module.TILE_M)):
         args = (lse, m_block, seqlen_q)
@@ -646,8 +646,8 @@ def check_fold_keys(module, length: int, *, logit_scale: float = 1.0) -> None:
     total = state[:, 1:2]
     o = torch.where(total > 0, state[:, 2:] / total.clamp_min(1e-30), 0.0)
     assert_rows_match(o, o_ref[0], where + " (O = acc / row_sum)", unit="head")
-    assert_lse_matches((state[:, 0] + torch.log2(state[:, 1])) * LN_2, lse_ref[0], where + " (LSE = row_max + log2(row_sum))",
-                       unit="head")
+    lse = (state[:, 0] + torch.log2(state[:, 1])) * LN_2
+    assert_lse_matches(lse, lse_ref[0], where + " (LSE = row_max + log2(row_sum))", unit="head")
 
 
 def check_split_partial(module, length: int, groups: int = 3) -> None:

@@ -239,7 +239,7 @@ def test_sync_check_reads_the_working_tree_without_git(course_copy):
 def test_a_changed_solution_needs_regenerated_skeletons(committed_copy):
     stage = stages.get(3)
     solution = stage.path("solutions")
-    solution.write_text(solution.read_text().replace("# [exercise 3] For each row r:", "# [exercise 3] For every row r:"))
+    solution.write_text(solution.read_text().replace("# [exercise 3] For each row r:", "# [exercise 3] For any row r:"))
     assert [s.number for s in skeleton.out_of_date()] == [3]
     assert not skeleton.is_edited(stage)  # the committed skeleton, left behind: regenerating it loses nothing
     assert main(["skeletons"]) == 0
@@ -277,7 +277,8 @@ def test_reset_restores_one_stage_and_keeps_a_backup(course_copy, capsys):
     assert len(list(four.path("stages").parent.glob("stage04_masking.py.bak-*"))) == 1
 
 
-@pytest.mark.parametrize("argument, message", [("12", "there is no stage 12"), ("four", "'four' is not a stage number")])
+@pytest.mark.parametrize("argument, message", [("12", "there is no stage 12"),
+                                               ("four", "'four' is not a stage number")])
 def test_check_names_the_stages_for_an_unknown_number(argument, message, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["check", argument])
@@ -291,3 +292,52 @@ def test_cpu_numerics_are_todos_with_tests(stage):
     assert set(stage.cpu_numerics) <= set(todos), f"{sorted(set(stage.cpu_numerics) - set(todos))} hold no TODO"
     tests = (stages.ROOT / "tests" / f"test_{stage.module_name}.py").read_text()
     assert not stage.cpu_numerics or "def test_on_cpu_" in tests, f"stage {stage.number} has no test_on_cpu_* test"
+
+
+# ---------------------------------------------------------------- what `course check` says about a failure
+
+def test_check_finds_the_learners_line_in_any_error():
+    from course import cli
+
+    path = stages.get(4).path("stages")
+    dsl = f"error[ARG_WRONG_TYPE]: Loop `stop` must be an integer\n   --> {stages.ROOT}/stages/stage04_masking.py:486\n"
+    mlir = 'error: loc("s[r, 0] = x"("/somewhere/stages/stage04_masking.py":172:15)): type mismatch'
+    traceback = ("course/compile.py:137: in cross_compile\n    compiled = cute.compile(\n"
+                 "stages/stage04_masking.py:281: in attend_kv_tiles\n    ...\n"
+                 "stages/stage04_masking.py:172: in apply\n    ...\nE   ValueError: type mismatch\n")
+    assert cli.learner_line(dsl, path) == 486
+    assert cli.learner_line(mlir, path) == 172
+    assert cli.learner_line(traceback, path) == 172  # the innermost frame in the learner's file
+    assert cli.learner_line("solutions/stage04_masking.py:12: in apply\n", path) is None
+
+
+def test_check_shows_the_whole_dsl_diagnostic_in_plain_text():
+    from types import SimpleNamespace
+
+    from course import cli
+
+    message = (f"cutlass.base_dsl.common.DSLUserCodeError: \n\x1b[91merror[ARG_WRONG_TYPE]:\x1b[0m Loop `stop`\n"
+               f"   \x1b[94m-->\x1b[0m {stages.ROOT}/stages/stage04_masking.py:486\n" + "  | line\n" * 40)
+    report = SimpleNamespace(longrepr=SimpleNamespace(reprcrash=SimpleNamespace(message=message)))
+    shown = cli.error_message(report).splitlines()
+    assert shown[:3] == ["DSLUserCodeError:", "error[ARG_WRONG_TYPE]: Loop `stop`", "   --> stages/stage04_masking.py:486"]
+    assert len(shown) == cli.MESSAGE_LINES + 1 and "add -v" in shown[-1]
+
+
+@pytest.mark.compiles
+def test_check_shows_a_trace_error_at_the_learners_line():
+    """A learner's type error in a TODO: `course check` names the line and prints the DSL's diagnostic."""
+    from course import transcripts
+
+    stage = stages.get(4)
+    text = skeleton.expected_skeleton(stage)
+    todo = text[text.index("        # TODO(stage 4): n_block_max"):text.index("\n", text.index("raise NotImplementedError"))]
+    broken = ("        n_block_min = cutlass.Int32(0)\n"
+              "        n_block_max = cutlass.Float32(self.seqlen_k)  # a float where the loops need an integer")
+    out = transcripts.run({"check": ("check", "4", "-x")}, files={"stages/stage04_masking.py": text.replace(todo, broken)})
+    failure = transcripts.first_failure(out["check"])
+    line = next(i for i, source in enumerate(text.replace(todo, broken).splitlines(), start=1)
+                if "# only the visible tiles" in source)  # the producer's loop: the trace reaches it first
+    assert f"stages/stage04_masking.py:{line}: for n_block in cutlass.range(n_block_min, n_block_max" in failure, failure
+    assert "error[ARG_WRONG_TYPE]: Loop `stop` must be an integer type, not `Float32`" in failure, failure
+    assert f"--> stages/stage04_masking.py:{line}" in failure, failure

@@ -87,3 +87,12 @@ def test_the_planted_bugs_cover_every_stage_with_cpu_numerics():
     covered = {number for number, *_ in PLANTED.values()}
     assert covered >= {s.number for s in stages.STAGES if s.cpu_numerics and s.number >= 3}, (
         "plant at least one classic bug for every stage from 3 on whose TODOs the CPU numerics check")
+
+
+def test_a_gpu_only_instruction_is_named_not_a_crash(module_from_source):
+    """An instruction without a host stand-in would abort the host compiler (and pytest): the check names it."""
+    correct = "new_max = cute.arch.fmax(new_max, scores[h, u])"
+    source = plant(stages.get(7).path("solutions").read_text(), correct, "new_max = -cute.arch.fmin(-new_max, -scores[h, u])")
+    module = module_from_source("planted_fmin", source)
+    with pytest.raises(cpu_numerics.GpuOnlyInstruction, match=r"nvvm\.fmin at .*planted_fmin\.py:\d+"):
+        cpu_numerics.check_fold_keys(module, 5)
