@@ -136,15 +136,17 @@ lines = Console(soft_wrap=True, highlight=False)
 
 
 class _Collector:
-    """A pytest plugin: the reports of a run, and one progress line per test that compiles (marker ``compiles``)."""
+    """A pytest plugin: the reports of a run, and one progress line per test that compiles (marker ``compiles``),
+    unless ``progress`` is None (with -v pytest reports every test itself)."""
 
-    def __init__(self, progress: Console):
+    def __init__(self, progress: Console | None):
         self.passed, self.failed, self.skipped = [], [], []
         self.progress = progress
         self.compiling: set[str] = set()
 
     def pytest_collection_modifyitems(self, items):
-        self.compiling = {item.nodeid for item in items if item.get_closest_marker("compiles")}
+        if self.progress is not None:
+            self.compiling = {item.nodeid for item in items if item.get_closest_marker("compiles")}
 
     def pytest_runtest_logstart(self, nodeid, location):
         if nodeid in self.compiling:  # outside the test's own output capture: this reaches the terminal
@@ -203,7 +205,8 @@ def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
     path = stage.path(impl)
     line = learner_line(_report_text(report), path)
     if line is not None:
-        source = path.read_text().splitlines()[line - 1].strip() if line <= len(path.read_text().splitlines()) else ""
+        source_lines = path.read_text().splitlines()
+        source = source_lines[line - 1].strip() if line <= len(source_lines) else ""
         todo = source.startswith("raise NotImplementedError(") and "TODO(stage" in source  # the message says it all
         lines.print(f"{path.relative_to(stages.ROOT).as_posix()}:{line}" + ("" if todo else f": {source}"), markup=False)
     message = error_message(report)
@@ -266,7 +269,8 @@ def check(number: int, impl: str, *, keyword: str | None = None, exitfirst: bool
         lines.print(f"Stage {number} ({stage.title}) is planned and has no tests yet.")
         return 2
     test_file = stages.ROOT / "tests" / f"test_{stage.module_name}.py"
-    collector = _Collector(Console(file=sys.stdout, soft_wrap=True, highlight=False))  # bound before the redirect
+    progress = None if verbose else Console(file=sys.stdout, soft_wrap=True, highlight=False)  # before the redirect
+    collector = _Collector(progress)
     lines.print(f"Checking stage {number} ({stage.title}) against [bold]{impl}/{stage.module_name}.py[/] ...")
     lines.print(_coverage_line(stage))
     with redirect_stdout(sys.stdout if verbose else io.StringIO()):  # pytest's own report only with -v
