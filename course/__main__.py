@@ -1,4 +1,9 @@
-"""The course command line: ``python -m course status | check N | bench | model-bench | sanitize | skeletons | diffs``."""
+"""The course command line: ``python -m course COMMAND``.
+
+Commands: status, check N, reset N, bench, model-bench, sanitize, notebooks, skeletons, diffs.
+
+Run ``python -m course COMMAND --help`` for what a command does and its options.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +13,131 @@ import sys
 from course import stages
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="course", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("status", help="the table of all stages: TODOs, cross-compile, GPU numerics and speed")
-    check = sub.add_parser("check", help="run one stage's tests against your code (stages/) or the solutions")
-    check.add_argument("stage", type=int)
-    check.add_argument("--impl", choices=stages.IMPLS, default="stages")
-    bench = sub.add_parser("bench", help="time the kernels next to PyTorch SDPA (needs a Hopper GPU)")
-    bench.add_argument("--stage", type=int, action="append", help="stage number (repeatable; default: all ready)")
-    bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
+def stage_number(text: str) -> int:
+    """argparse type: the number of a stage of the registry, else an error that lists them."""
+    try:
+        number = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a stage number") from None
+    try:
+        stages.get(number)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{error} (`{stages.COURSE_COMMAND} status` lists them)") from None
+    return number
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m course", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+
+    sub.add_parser("status", help="the table of all stages: TODOs left, sm_90a cross-compile, GPU numerics and speed",
+                   description="One row per stage and implementation: TODOs left, whether it cross-compiles for "
+                               "sm_90a (with registers and shared memory), and on a Hopper GPU a numerics check and "
+                               "the throughput next to PyTorch's cuDNN attention. The default command.")
+
+    check = sub.add_parser("check", help="run one stage's tests against your code in stages/ (or the solutions)",
+                           description="Run tests/test_stageNN_*.py with pytest against stages/ (yours) or "
+                                       "solutions/, and print a verdict: counts, the first failure with the line of "
+                                       "your code it points at, and the next step.")
+    check.add_argument("stage", type=stage_number, help="the stage number, e.g. 1")
+    check.add_argument("--impl", choices=stages.IMPLS, default="stages",
+                       help="the code under test: stages (your skeletons, the default) or solutions (the reference)")
+    check.add_argument("-k", dest="keyword", metavar="EXPRESSION",
+                       help="only the tests whose names match, as pytest -k (e.g. -k cross_compiles, -k 'not gpu')")
+    check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing test (pytest -x)")
+    check.add_argument("-v", "--verbose", action="store_true",
+                       help="also show pytest's own report: every test's outcome and full tracebacks")
+
+    reset = sub.add_parser("reset", help="start a stage over: restore its skeleton in stages/, keeping a backup",
+                           description="Write stage N's skeleton (TODOs and all) to stages/. Your file is kept next "
+                                       "to it as stages/stageNN_*.py.bak-<timestamp>.")
+    reset.add_argument("stage", type=stage_number, help="the stage number, e.g. 4")
+
+    bench = sub.add_parser("bench", help="time the kernels next to PyTorch SDPA (needs a Hopper GPU)",
+                           description="Time each stage's kernel and PyTorch's SDPA backends on the stages' bench "
+                                       "shapes, in the same rounds, and write bench.json, bench.md and plots.")
+    bench.add_argument("--stage", type=stage_number, action="append",
+                       help="a stage number (repeatable; default: every ready stage)")
+    bench.add_argument("--impl", choices=stages.IMPLS, default="solutions",
+                       help="whose kernels to time: solutions (the default) or stages (yours)")
     bench.add_argument("--out", default=None, help="folder for bench.json/.md/.png (default: docs/results)")
-    bench.add_argument("--repeats", type=int, default=50)
+    bench.add_argument("--repeats", type=int, default=50, help="timed repeats per kernel and shape (default: 50)")
+
     model_bench = sub.add_parser("model-bench", help="time models end to end on the course backend next to "
                                  "transformers' attention (needs a Hopper GPU and the models extra)")
     model_bench.add_argument("--out", default=None, help="folder for models.json/.md/.png (default: docs/results)")
     model_bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
     model_bench.add_argument("--repeats", type=int, default=10)
     model_bench.add_argument("--render", action="store_true", help="only rewrite models.md from models.json")
-    sanitize = sub.add_parser("sanitize", help="run the stages' kernels under compute-sanitizer (Hopper GPU)")
-    sanitize.add_argument("stage", type=int, nargs="*", help="stage numbers (default: every ready stage)")
+
+    sanitize = sub.add_parser("sanitize", help="run the stages' kernels under compute-sanitizer (Hopper GPU)",
+                              description="Small launches of each stage's kernels under compute-sanitizer's "
+                                          "memcheck, racecheck and synccheck.")
+    sanitize.add_argument("stage", type=stage_number, nargs="*", help="stage numbers (default: every ready stage)")
     sanitize.add_argument("--tool", action="append", choices=("memcheck", "racecheck", "synccheck"),
                           help="one tool (repeatable; default: all three)")
-    sub.add_parser("skeletons", help="regenerate stages/ from the solutions' exercise regions")
-    sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)")
-    args = parser.parse_args(argv)
+
+    skeletons = sub.add_parser("skeletons", help="regenerate stages/ from the solutions' exercise regions",
+                               description="Write every stage's skeleton to stages/. Refuses, writing nothing, when "
+                                           "a file in stages/ holds your edits (it differs from its skeleton); "
+                                           "`reset N` starts one stage over instead.")
+    skeletons.add_argument("--force", action="store_true",
+                           help="overwrite edited files too, keeping each as stages/stageNN_*.py.bak-<timestamp>")
+
+    notebooks = sub.add_parser("notebooks", help="run every workshop notebook and write executed copies for the site",
+                               description="Execute notebooks/*.ipynb top to bottom (on a Hopper GPU: the GPU cells "
+                                           "too) and write the executed copies, outputs included, to --out. The docs "
+                                           "site shows those instead of the output-free notebooks/ when they exist.")
+    notebooks.add_argument("--execute", action="store_true", required=True,
+                           help="run every cell (required: notebooks/ itself stays without outputs)")
+    notebooks.add_argument("--out", default=None,
+                           help="folder for the executed copies (default: docs/notebooks-executed/)")
+
+    sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)",
+                   description="Write docs/diffs/stageNN-stageMM.diff for every pair of consecutive prefill "
+                               "solutions (the stage pages include them).")
+    return top
+
+
+def run_skeletons(force: bool) -> int:
+    from course import skeleton
+
+    try:
+        written = skeleton.write_all(force=force)
+    except skeleton.EditedSkeletons as edited:
+        names = ", ".join(str(p.relative_to(stages.ROOT)) for p in edited.paths)
+        print(f"Not overwriting your work: {names} differ from the skeletons the generator made. Nothing was written.\n"
+              f"To start one stage over: {stages.COURSE_COMMAND} reset N (keeps a backup of your file).\n"
+              f"To regenerate every skeleton anyway: {stages.COURSE_COMMAND} skeletons --force "
+              "(keeps a backup of each edited file).")
+        return 1
+    for path, kept in written:
+        mine = f" (your version: {kept.relative_to(stages.ROOT)})" if kept else ""
+        print(f"wrote {path.relative_to(stages.ROOT)}{mine}")
+    return 0
+
+
+def run_reset(number: int) -> int:
+    from course import skeleton
+
+    stage = stages.get(number)
+    kept = skeleton.reset(stage)
+    path = stage.path("stages").relative_to(stages.ROOT)
+    print(f"{path} is stage {number}'s skeleton again" +
+          (f"; your version is in {kept.relative_to(stages.ROOT)}." if kept else " (it already was: no backup needed)."))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
 
     if args.command == "check":
         from course.cli import check as run_check
 
-        return run_check(args.stage, args.impl)
+        return run_check(args.stage, args.impl, keyword=args.keyword, exitfirst=args.exitfirst, verbose=args.verbose)
+    if args.command == "reset":
+        return run_reset(args.stage)
     if args.command == "bench":
         from course import bench as bench_mod
 
@@ -61,9 +161,13 @@ def main(argv=None) -> int:
 
         return sanitize_mod.main(args.stage, tuple(args.tool or sanitize_mod.TOOLS))
     if args.command == "skeletons":
-        from course import skeleton
+        return run_skeletons(args.force)
+    if args.command == "notebooks":
+        from pathlib import Path
 
-        for path in skeleton.write_all():
+        from course import notebooks as notebooks_mod
+
+        for path in notebooks_mod.write_executed(Path(args.out) if args.out else notebooks_mod.EXECUTED_DIR):
             print(f"wrote {path}")
         return 0
     if args.command == "diffs":

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 from contextlib import redirect_stdout
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -93,6 +95,10 @@ def _decode_gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
         return f"[red]error[/]: {type(error).__name__}", "-"
 
 
+def gpu_columns_note(reason: str) -> str:
+    return f"GPU columns left out: {reason}."
+
+
 def status() -> int:
     gpu_reason = testing.gpu_skip_reason()
     table = Table(title="Hopper FMHA course: stages", show_lines=True)
@@ -120,48 +126,167 @@ def status() -> int:
                               str(todos_left(stage, impl)), *cells)
     console.print(table)
     if gpu_reason:
-        console.print(f"GPU columns left out: {gpu_reason}.")
-    console.print("Next: [bold]python -m course check 1[/] runs stage 1's tests on your code in stages/.")
+        console.print(gpu_columns_note(gpu_reason))
+    console.print(f"Next: [bold]{stages.COURSE_COMMAND} check 1[/] runs stage 1's tests on your code in stages/.")
     return 0
 
 
+# `course check` prints lines, not tables: the terminal wraps them, so a long message or path stays copyable.
+lines = Console(soft_wrap=True, highlight=False)
+
+
 class _Collector:
-    def __init__(self):
+    """A pytest plugin: the reports of a run, and one progress line per test that compiles (marker ``compiles``),
+    unless ``progress`` is None (with -v pytest reports every test itself)."""
+
+    def __init__(self, progress: Console | None):
         self.passed, self.failed, self.skipped = [], [], []
+        self.progress = progress
+        self.compiling: set[str] = set()
+
+    def pytest_collection_modifyitems(self, items):
+        if self.progress is not None:
+            self.compiling = {item.nodeid for item in items if item.get_closest_marker("compiles")}
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        if nodeid in self.compiling:  # outside the test's own output capture: this reaches the terminal
+            self.progress.print(f"  {escape(nodeid.split('::')[-1])} ...", end="")
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
             getattr(self, report.outcome if report.outcome != "error" else "failed").append(report)
+        if report.nodeid in self.compiling and (report.when == "call" or report.outcome != "passed"):
+            verdict = {"passed": "[green]ok[/]", "skipped": "[yellow]skipped[/]"}.get(report.outcome, "[red]failed[/]")
+            self.progress.print(f" {verdict} ({report.duration:.1f} s)")
 
 
-def check(number: int, impl: str) -> int:
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Where an error points into a file: the DSL's diagnostics ("--> path:line"), MLIR locations
+# ("path":line:col) and pytest's traceback entries ("path:line: in function").
+LOCATIONS = (re.compile(r"-->\s*(?P<path>\S+?\.py):(?P<line>\d+)"), re.compile(r'"(?P<path>[^"\s]+?\.py)":(?P<line>\d+)'),
+             re.compile(r"^(?P<path>\S+?\.py):(?P<line>\d+): ", re.MULTILINE))
+MESSAGE_LINES = 25
+
+
+def _report_text(report) -> str:
+    """The failure's traceback and the test's captured stderr (where the DSL also prints diagnostics), plain text."""
+    sections = [content for title, content in report.sections if "stderr" in title]
+    return ANSI.sub("", "\n".join([str(report.longrepr), *sections]))
+
+
+def learner_line(text: str, path: Path) -> int | None:
+    """The line of ``path`` an error's text points at (the innermost one), or None.
+
+    The DSL's and MLIR's own locations are exact; pytest's traceback entries come from
+    outer to inner, so the last one in ``path`` is the deepest call into the learner's code.
+    """
+    suffix = path.relative_to(stages.ROOT).as_posix()
+    for pattern in LOCATIONS:
+        found = [int(m["line"]) for m in pattern.finditer(text) if m["path"].replace("\\", "/").endswith(suffix)]
+        if found:
+            return found[-1]
+    return None
+
+
+def error_message(report) -> str:
+    """The exception as the test saw it: type and message, every line of a DSL diagnostic, plain text."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = ANSI.sub("", crash.message if crash else str(report.longrepr))
+    message = message.replace(f"{stages.ROOT}/", "")  # the DSL prints absolute paths
+    message = re.sub(r"^(?:[a-z_]+\.)+(?=[A-Z]\w*(?:Error|Exception)\b)", "", message)  # cutlass.base_dsl.common.
+    kept = [line.rstrip() for line in message.splitlines() if line.strip()]
+    if len(kept) > MESSAGE_LINES:
+        kept = kept[:MESSAGE_LINES] + [f"... ({len(kept) - MESSAGE_LINES} more lines: add -v for pytest's full report)"]
+    return "\n".join(kept)
+
+
+def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
+    lines.print(f"[red]Not there yet.[/] First thing to fix ({escape(report.nodeid.split('::')[-1])}):")
+    path = stage.path(impl)
+    line = learner_line(_report_text(report), path)
+    if line is not None:
+        source_lines = path.read_text().splitlines()
+        source = source_lines[line - 1].strip() if line <= len(source_lines) else ""
+        todo = source.startswith("raise NotImplementedError(") and "TODO(stage" in source  # the message says it all
+        lines.print(f"{path.relative_to(stages.ROOT).as_posix()}:{line}" + ("" if todo else f": {source}"), markup=False)
+    message = error_message(report)
+    lines.print(message or "(no message)", markup=False)
+    if "Hints:" not in message:
+        lines.print(f"Hints: docs/{stage.docs_page}")
+
+
+def _coverage_line(stage: stages.Stage) -> str:
+    """Which of the stage's TODOs the CPU numerics run, and which only a Hopper GPU checks."""
+    from course import skeleton
+
+    todos = skeleton.exercise_functions(stage)
+    on_cpu = [f"{name}()" for name in todos if name in stage.cpu_numerics]
+    gpu_only = [f"{name}()" for name in todos if name not in stage.cpu_numerics]
+    parts = []
+    if on_cpu:
+        parts.append(f"CPU numerics (your code run on the CPU against course.reference) cover {', '.join(on_cpu)}")
+    if gpu_only:
+        parts.append(f"only a Hopper GPU checks the numerics of {', '.join(gpu_only)}")
+    return "; ".join(parts) + "."
+
+
+def _next_step(stage: stages.Stage) -> str:
+    later = [s for s in stages.STAGES if s.number > stage.number and s.ready]
+    if later:
+        return (f"Next: [bold]{stages.COURSE_COMMAND} check {later[0].number}[/] "
+                f"(read docs/{later[0].docs_page} first).")
+    return (f"Next: time your kernels next to PyTorch's with [bold]{stages.COURSE_COMMAND} bench --impl stages[/] "
+            "on a Hopper GPU (docs/results.md).")
+
+
+def _verdict(stage: stages.Stage, impl: str, selected: bool) -> str:
+    """What a run without failures proves: off Hopper, only the compile and the CPU checks."""
+    on_gpu = testing.gpu_skip_reason() is None
+    if selected:
+        return (f"[green]The selected tests of stage {stage.number} pass on {impl}/[/]"
+                + ("." if on_gpu else " (those that need a Hopper GPU are skipped here)."))
+    if on_gpu:
+        return f"[green]Stage {stage.number} passes on {impl}/[/]: compiles for sm_90a, numerics match the reference."
+    return (f"[green]Stage {stage.number} on {impl}/: compiles for sm_90a, the CPU checks pass[/]; "
+            "the kernel's numerics are not checked: no Hopper GPU.")
+
+
+def pytest_arguments(test_file: Path, impl: str, keyword: str | None, exitfirst: bool, verbose: bool) -> list[str]:
+    args = [str(test_file), f"--impl={impl}", "-p", "no:cacheprovider", "-v" if verbose else "-q"]
+    if keyword:
+        args += ["-k", keyword]
+    if exitfirst:
+        args.append("-x")
+    return args
+
+
+def check(number: int, impl: str, *, keyword: str | None = None, exitfirst: bool = False, verbose: bool = False) -> int:
+    """Run stage ``number``'s tests on ``impl`` with pytest and print the verdict; 0 when they pass."""
     import pytest
 
     stage = stages.get(number)
     if not stage.ready:
-        console.print(f"Stage {number} ({stage.title}) is planned and has no tests yet.")
+        lines.print(f"Stage {number} ({stage.title}) is planned and has no tests yet.")
         return 2
     test_file = stages.ROOT / "tests" / f"test_{stage.module_name}.py"
-    collector = _Collector()
-    console.print(f"Checking stage {number} ({stage.title}) against [bold]{impl}/{stage.module_name}.py[/] ...")
-    with redirect_stdout(io.StringIO()):
-        code = pytest.main([str(test_file), f"--impl={impl}", "-q", "-p", "no:cacheprovider"], plugins=[collector])
+    progress = None if verbose else Console(file=sys.stdout, soft_wrap=True, highlight=False)  # before the redirect
+    collector = _Collector(progress)
+    lines.print(f"Checking stage {number} ({stage.title}) against [bold]{impl}/{stage.module_name}.py[/] ...")
+    lines.print(_coverage_line(stage))
+    with redirect_stdout(sys.stdout if verbose else io.StringIO()):  # pytest's own report only with -v
+        code = pytest.main(pytest_arguments(test_file, impl, keyword, exitfirst, verbose), plugins=[collector])
     passed, failed, skipped = len(collector.passed), len(collector.failed), len(collector.skipped)
-    console.print(f"{passed} passed, {failed} failed, {skipped} skipped")
+    lines.print(f"{passed} passed, {failed} failed, {skipped} skipped")
     if collector.skipped and testing.gpu_skip_reason():
-        console.print(f"[yellow]Skipped GPU tests[/]: {testing.gpu_skip_reason()}.")
+        lines.print(f"[yellow]Skipped GPU tests[/]: {testing.gpu_skip_reason()}.")
     if failed:
-        first = collector.failed[0]
-        message = first.longrepr.reprcrash.message if hasattr(first.longrepr, "reprcrash") else str(first.longrepr)
-        console.print(f"[red]Not there yet.[/] First thing to fix ({escape(first.nodeid.split('::')[-1])}):")
-        first_line = message.splitlines()[0][:1000] if message else "(no message)"
-        console.print(first_line, markup=False)
-        if "Hints:" not in first_line:
-            console.print(f"Hints: docs/{stage.docs_page}")
+        _print_first_failure(stage, impl, collector.failed[0])
         return 1
-    if code != 0 and not failed:
-        console.print("[red]pytest could not run the tests[/] (see `python -m pytest " f"{test_file} --impl={impl}`)")
+    if code != 0:
+        lines.print("[red]pytest could not run the tests[/] (see `.venv/bin/python -m pytest "
+                    f"{test_file.relative_to(stages.ROOT)} --impl={impl}`)")
         return int(code)
-    console.print(f"[green]Stage {number} passes[/] on {impl}/." +
-                  ("" if testing.gpu_skip_reason() is None else " (CPU checks only: run on a Hopper GPU for numerics.)"))
+    lines.print(_verdict(stage, impl, selected=bool(keyword)))
+    if not keyword:
+        lines.print(_next_step(stage))
     return 0

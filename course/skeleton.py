@@ -10,12 +10,19 @@ In stage N's skeleton that region becomes a ``TODO(stage N)`` comment with
 the hint and a ``NotImplementedError`` that names the function to finish.
 Regions of other stages stay as they are, so a skeleton differs from its
 solution only where that stage's idea lives. Regenerate with
-``python -m course skeletons``; a test proves ``stages/`` is up to date.
+``python -m course skeletons``; a test proves the committed ``stages/`` is up
+to date. The files in ``stages/`` are the learner's work: regenerating refuses
+to overwrite a file that differs from its skeleton (``--force`` keeps a backup),
+and ``python -m course reset N`` starts one stage over, keeping a backup.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
 
 from course.stages import STAGES, Stage
 
@@ -61,26 +68,101 @@ def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
     return "".join(out)
 
 
+def exercise_functions(stage: Stage) -> list[str]:
+    """The functions that hold stage ``stage``'s exercise regions, in file order: the names its TODOs give."""
+    names: list[str] = []
+    function = "<module>"
+    for line in stage.path("solutions").read_text().splitlines():
+        if DEF.match(line):
+            function = DEF.match(line).group(1)
+        opened = OPEN.match(line)
+        if opened and int(opened["stage"]) == stage.number and function not in names:
+            names.append(function)
+    return names
+
+
 def expected_skeleton(stage: Stage) -> str:
     return skeleton_source(stage.path("solutions").read_text(), stage.number, stage.docs_page)
 
 
+def committed(path: Path) -> str | None:
+    """The file as committed (``git show HEAD:...``), or None without git, outside a repository, or for a new file."""
+    try:
+        shown = subprocess.run(["git", "-C", str(path.parent), "show", f"HEAD:./{path.name}"],
+                               capture_output=True, text=True)
+    except FileNotFoundError:  # no git on this machine
+        return None
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def ready_stages() -> list[Stage]:
+    return [stage for stage in STAGES if stage.ready]
+
+
 def out_of_date() -> list[Stage]:
-    """Ready stages whose file in stages/ is not what the generator makes."""
+    """Ready stages whose skeleton is not what the generator makes, neither as committed nor in the working tree.
+
+    The committed skeleton is the course's and the working tree is the learner's, so editing
+    stages/ passes as long as the committed file is current. After a change to a solution, the
+    regenerated working tree passes before it is committed. Without git only the working tree counts.
+    """
     stale = []
-    for stage in STAGES:
-        if stage.ready:
-            path = stage.path("stages")
-            if not path.exists() or path.read_text() != expected_skeleton(stage):
-                stale.append(stage)
+    for stage in ready_stages():
+        path = stage.path("stages")
+        versions = {committed(path), path.read_text() if path.exists() else None}
+        if expected_skeleton(stage) not in versions:
+            stale.append(stage)
     return stale
 
 
-def write_all() -> list[str]:
-    """Regenerate every ready stage's skeleton; return the paths written."""
-    written = []
-    for stage in STAGES:
-        if stage.ready:
-            stage.path("stages").write_text(expected_skeleton(stage))
-            written.append(str(stage.path("stages").relative_to(stage.path("stages").parent.parent)))
-    return written
+def is_edited(stage: Stage) -> bool:
+    """Does stages/ hold work of the learner's? True when the file is neither the generator's
+    output nor the committed skeleton (a skeleton left behind by a change to a solution is not edited)."""
+    path = stage.path("stages")
+    return path.exists() and path.read_text() not in {expected_skeleton(stage), committed(path)}
+
+
+class EditedSkeletons(Exception):
+    """Regenerating would overwrite the learner's edits in these files."""
+
+    def __init__(self, paths: list[Path]):
+        super().__init__(", ".join(str(p) for p in paths))
+        self.paths = paths
+
+
+def backup(path: Path) -> Path:
+    """Copy ``path`` to ``<name>.bak-<timestamp>`` next to it (never over an earlier backup); return the copy."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    copy = path.with_name(f"{path.name}.bak-{stamp}")
+    n = 1
+    while copy.exists():
+        n += 1
+        copy = path.with_name(f"{path.name}.bak-{stamp}-{n}")
+    shutil.copy2(path, copy)
+    return copy
+
+
+def _write_skeleton(stage: Stage, keep_backup: bool) -> Path | None:
+    path = stage.path("stages")
+    kept = backup(path) if keep_backup else None
+    path.write_text(expected_skeleton(stage))
+    return kept
+
+
+def reset(stage: Stage) -> Path | None:
+    """Write ``stage``'s skeleton to stages/; the file it replaces is kept as a backup (returned),
+    unless it was the skeleton already."""
+    path = stage.path("stages")
+    return _write_skeleton(stage, keep_backup=path.exists() and path.read_text() != expected_skeleton(stage))
+
+
+def write_all(force: bool = False) -> list[tuple[Path, Path | None]]:
+    """Regenerate every ready stage's skeleton: [(path, the backup of the learner's edits or None)].
+
+    Raises EditedSkeletons, before writing anything, when a file holds the learner's edits;
+    ``force`` overwrites them and keeps a backup of each.
+    """
+    edited = [stage for stage in ready_stages() if is_edited(stage)]
+    if edited and not force:
+        raise EditedSkeletons([stage.path("stages") for stage in edited])
+    return [(stage.path("stages"), _write_skeleton(stage, keep_backup=stage in edited)) for stage in ready_stages()]

@@ -14,6 +14,8 @@ from course.shapes import DecodeShape, PrefillShape
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("stages", "solutions")
+# How messages spell the command: the project's virtual environment has the dependencies, a bare `python` may not.
+COURSE_COMMAND = ".venv/bin/python -m course"
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class Stage:
     kind: str = "prefill"  # "prefill": module.attention on [B, S, H, D]; "decode": module.decode_attention
     bench_shapes: tuple = ()  # PrefillShape or DecodeShape: what `course bench` times this stage on
     starts_from: int | None = None  # a stage this one is timed next to on its shapes (the one it improves)
+    # The functions with this stage's TODOs whose results tests/cpu_numerics.py computes on the CPU and
+    # compares with course.reference; the others (TMA, pipelines, WGMMA) only a Hopper GPU can check.
+    cpu_numerics: tuple[str, ...] = ()
 
     @property
     def module_name(self) -> str:
@@ -80,22 +85,28 @@ DECODE = tuple(DecodeShape(b, length, paged=paged) for paged in (False, True)
 STAGES = [
     Stage(1, "single_tile", "Single-tile FMHA",
           "TMA loads, WGMMA for Q K^T and P V, softmax in registers, GQA", ready=True,
+          cpu_numerics=("softmax_rows",),
           # S_k = 128 is all one tile can hold: the CTA streams Q in and O out around one K/V tile.
           bench_shapes=(PrefillShape(16, 16, 4096, 128, 128), PrefillShape(16, 16, 4096, 128, 64))),
     Stage(2, "multi_tile", "Multi-tile TMA loading",
           "a pipelined loop over KV tiles (smem ring + mbarriers), two-pass softmax", ready=True,
-          bench_shapes=FULL_ATTENTION),
+          bench_shapes=FULL_ATTENTION, cpu_numerics=("update_row_max", "exponentiate_rows")),
     Stage(3, "online_softmax", "Online softmax correction",
-          "one pass: running max and sum, rescaling O", ready=True, bench_shapes=FULL_ATTENTION),
+          "one pass: running max and sum, rescaling O", ready=True, bench_shapes=FULL_ATTENTION,
+          cpu_numerics=("online_softmax",)),
     Stage(4, "masking", "Sliding-window and causal masking",
-          "masks from coordinates, skipping fully masked KV tiles", ready=True, bench_shapes=WINDOWS),
+          "masks from coordinates, skipping fully masked KV tiles", ready=True, bench_shapes=WINDOWS,
+          cpu_numerics=("kv_block_range", "apply")),
     Stage(5, "sinks", "Attention sinks",
-          "sink logits (gpt-oss) and sink tokens (StreamingLLM)", ready=True, bench_shapes=SINKS),
+          "sink logits (gpt-oss) and sink tokens (StreamingLLM)", ready=True, bench_shapes=SINKS,
+          cpu_numerics=("sink_block_count", "outside_left_bound", "normalize_rows")),
     Stage(6, "lse", "Per-row LSE and merging",
-          "log-sum-exp output and merging partial results", ready=True, bench_shapes=LSE),
+          "log-sum-exp output and merging partial results", ready=True, bench_shapes=LSE,
+          cpu_numerics=("normalize_rows", "store_lse", "merge_weights")),
     Stage(7, "decode", "Decode with split-KV",
           "one query token, paged KV cache, multi-block reduction", ready=True, kind="decode",
-          bench_shapes=DECODE),
+          bench_shapes=DECODE, cpu_numerics=("online_softmax_update", "split_partial", "arrive_and_elect_last",
+                                             "fold_in_split", "finish_combine")),
 ]
 
 

@@ -74,6 +74,7 @@ def test_later_features_name_their_stage(stage, request):
 
 # ---------------------------------------------------------------- cross-compile (CPU)
 
+@pytest.mark.compiles
 def test_cross_compiles_for_sm90a(stage, config):
     report = stage.cross_compile_config(config)
     # The Hopper data path must really be there: WGMMA, TMA, mbarriers.

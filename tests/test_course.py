@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from course import bench, diffs, reference, skeleton, stages, validation
+from course.__main__ import main
 
 
 def brute_force(q, k, v, *, scale, visible, sink=None):
@@ -86,15 +87,19 @@ def test_docs_diffs_are_current():
 
 
 def test_skeletons_are_generated_from_solutions():
+    """The committed stages/ is what the generator makes (a learner's edits in the working tree do not count)."""
     stale = skeleton.out_of_date()
-    assert not stale, (f"stages/ is out of date for stage(s) {[s.number for s in stale]}: "
-                       "run `python -m course skeletons` after editing solutions/")
+    assert not stale, (
+        f"stages/ is out of date for stage(s) {[s.number for s in stale]}: the generator's output is neither the "
+        "committed skeleton nor the file in the working tree. After editing solutions/, run "
+        "`python -m course skeletons` and commit stages/ with the solutions.")
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("stage", [s for s in stages.STAGES if s.ready], ids=lambda s: f"stage{s.number}")
-def test_skeleton_fails_with_its_todo(stage):
+def test_skeleton_fails_with_its_todo(stage, generated_skeleton):
     """The untouched skeleton imports, and compiling it stops at the first TODO with its hint."""
-    module = stage.load("stages")
+    module = generated_skeleton(stage)
     with pytest.raises(NotImplementedError, match=rf"TODO\(stage {stage.number}\) in \w+\(\)"):
         module.cross_compile_config(module.KERNEL_CONFIGS[-1])
 
@@ -102,7 +107,7 @@ def test_skeleton_fails_with_its_todo(stage):
 def test_skeleton_differs_only_in_todo_regions():
     for stage in (s for s in stages.STAGES if s.ready):
         solution = stage.path("solutions").read_text().splitlines()
-        learner = stage.path("stages").read_text().splitlines()
+        learner = skeleton.expected_skeleton(stage).splitlines()
         only_solution = set(solution) - set(learner)
         only_learner = set(learner) - set(solution)
         assert all("TODO(stage" in line or "NotImplementedError('TODO(stage" in line for line in only_learner)
@@ -173,3 +178,166 @@ def test_kernels_import_only_the_kernel_side_of_course():
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course."):
                 used.add(node.module.split(".")[1])
         assert used <= allowed, f"{stage.module_name} imports course.{sorted(used - allowed)}: kernels import only {sorted(allowed)}"
+
+
+# ---------------------------------------------------------------- the learner's files in stages/ are never lost
+
+EDIT = "\n# the learner's work\n"
+
+
+@pytest.fixture
+def course_copy(tmp_path, monkeypatch):
+    """solutions/ and stages/ copied to tmp_path, which the registry takes for the repository (no git yet)."""
+    import shutil
+
+    for folder in ("solutions", "stages"):
+        shutil.copytree(stages.ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(stages, "ROOT", tmp_path)
+    return tmp_path
+
+
+def git(root, *args):
+    import subprocess
+
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def committed_copy(course_copy):
+    """The copy as a git repository with everything committed."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    git(course_copy, "init", "-q")
+    git(course_copy, "add", ".")
+    git(course_copy, "-c", "user.name=course", "-c", "user.email=course@example.invalid", "commit", "-q", "-m", "x")
+    return course_copy
+
+
+def edit(stage_number: int) -> stages.Stage:
+    stage = stages.get(stage_number)
+    stage.path("stages").write_text(stage.path("stages").read_text() + EDIT)
+    return stage
+
+
+def test_editing_stages_passes_the_sync_check(committed_copy):
+    edit(4)
+    assert skeleton.out_of_date() == []
+    git(committed_copy, "-c", "user.name=course", "-c", "user.email=course@example.invalid",
+        "commit", "-q", "-am", "committed edits are not the course's skeleton any more")
+    assert [s.number for s in skeleton.out_of_date()] == [4]
+
+
+def test_sync_check_reads_the_working_tree_without_git(course_copy):
+    assert skeleton.committed(stages.get(4).path("stages")) is None  # not a repository
+    assert skeleton.out_of_date() == []
+    edit(4)
+    assert [s.number for s in skeleton.out_of_date()] == [4]
+
+
+def test_a_changed_solution_needs_regenerated_skeletons(committed_copy):
+    stage = stages.get(3)
+    solution = stage.path("solutions")
+    solution.write_text(solution.read_text().replace("# [exercise 3] For each row r:", "# [exercise 3] For any row r:"))
+    assert [s.number for s in skeleton.out_of_date()] == [3]
+    assert not skeleton.is_edited(stage)  # the committed skeleton, left behind: regenerating it loses nothing
+    assert main(["skeletons"]) == 0
+    assert skeleton.out_of_date() == [] and not list(stage.path("stages").parent.glob("*.bak-*"))
+
+
+def test_skeletons_refuses_to_overwrite_edits(committed_copy, capsys):
+    stage = edit(5)
+    before = {p: p.read_text() for p in (committed_copy / "stages").glob("*.py")}
+    assert main(["skeletons"]) == 1
+    assert {p: p.read_text() for p in (committed_copy / "stages").glob("*.py")} == before  # nothing written
+    out = capsys.readouterr().out
+    assert "stages/stage05_sinks.py" in out and "reset N" in out and "--force" in out
+
+
+def test_skeletons_force_keeps_a_backup(committed_copy):
+    stage = edit(5)
+    edited = stage.path("stages").read_text()
+    assert main(["skeletons", "--force"]) == 0
+    assert stage.path("stages").read_text() == skeleton.expected_skeleton(stage)
+    backups = list(stage.path("stages").parent.glob("stage05_sinks.py.bak-*"))
+    assert len(backups) == 1 and backups[0].read_text() == edited
+    assert len(list(stage.path("stages").parent.glob("*.bak-*"))) == 1  # untouched files need no backup
+
+
+def test_reset_restores_one_stage_and_keeps_a_backup(course_copy, capsys):
+    four, five = edit(4), edit(5)
+    edited = four.path("stages").read_text()
+    assert main(["reset", "4"]) == 0
+    assert four.path("stages").read_text() == skeleton.expected_skeleton(four)
+    assert five.path("stages").read_text().endswith(EDIT)  # the other stages are left alone
+    backup = next(four.path("stages").parent.glob("stage04_masking.py.bak-*"))
+    assert backup.read_text() == edited and backup.name in capsys.readouterr().out
+    assert main(["reset", "4"]) == 0  # a second reset: nothing to keep
+    assert len(list(four.path("stages").parent.glob("stage04_masking.py.bak-*"))) == 1
+
+
+@pytest.mark.parametrize("argument, message", [("12", "there is no stage 12"),
+                                               ("four", "'four' is not a stage number")])
+def test_check_names_the_stages_for_an_unknown_number(argument, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["check", argument])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", [s for s in stages.STAGES if s.ready], ids=lambda s: f"stage{s.number}")
+def test_cpu_numerics_are_todos_with_tests(stage):
+    """stage.cpu_numerics (what `course check` says the CPU covers) names TODO functions, and the stage has CPU tests."""
+    todos = skeleton.exercise_functions(stage)
+    assert set(stage.cpu_numerics) <= set(todos), f"{sorted(set(stage.cpu_numerics) - set(todos))} hold no TODO"
+    tests = (stages.ROOT / "tests" / f"test_{stage.module_name}.py").read_text()
+    assert not stage.cpu_numerics or "def test_on_cpu_" in tests, f"stage {stage.number} has no test_on_cpu_* test"
+
+
+# ---------------------------------------------------------------- what `course check` says about a failure
+
+def test_check_finds_the_learners_line_in_any_error():
+    from course import cli
+
+    path = stages.get(4).path("stages")
+    dsl = f"error[ARG_WRONG_TYPE]: Loop `stop` must be an integer\n   --> {stages.ROOT}/stages/stage04_masking.py:486\n"
+    mlir = 'error: loc("s[r, 0] = x"("/somewhere/stages/stage04_masking.py":172:15)): type mismatch'
+    traceback = ("course/compile.py:137: in cross_compile\n    compiled = cute.compile(\n"
+                 "stages/stage04_masking.py:281: in attend_kv_tiles\n    ...\n"
+                 "stages/stage04_masking.py:172: in apply\n    ...\nE   ValueError: type mismatch\n")
+    assert cli.learner_line(dsl, path) == 486
+    assert cli.learner_line(mlir, path) == 172
+    assert cli.learner_line(traceback, path) == 172  # the innermost frame in the learner's file
+    assert cli.learner_line("solutions/stage04_masking.py:12: in apply\n", path) is None
+
+
+def test_check_shows_the_whole_dsl_diagnostic_in_plain_text():
+    from types import SimpleNamespace
+
+    from course import cli
+
+    message = (f"cutlass.base_dsl.common.DSLUserCodeError: \n\x1b[91merror[ARG_WRONG_TYPE]:\x1b[0m Loop `stop`\n"
+               f"   \x1b[94m-->\x1b[0m {stages.ROOT}/stages/stage04_masking.py:486\n" + "  | line\n" * 40)
+    report = SimpleNamespace(longrepr=SimpleNamespace(reprcrash=SimpleNamespace(message=message)))
+    shown = cli.error_message(report).splitlines()
+    assert shown[:3] == ["DSLUserCodeError:", "error[ARG_WRONG_TYPE]: Loop `stop`", "   --> stages/stage04_masking.py:486"]
+    assert len(shown) == cli.MESSAGE_LINES + 1 and "add -v" in shown[-1]
+
+
+@pytest.mark.compiles
+def test_check_shows_a_trace_error_at_the_learners_line():
+    """A learner's type error in a TODO: `course check` names the line and prints the DSL's diagnostic."""
+    from course import transcripts
+
+    stage = stages.get(4)
+    text = skeleton.expected_skeleton(stage)
+    todo = text[text.index("        # TODO(stage 4): n_block_max"):text.index("\n", text.index("raise NotImplementedError"))]
+    broken = ("        n_block_min = cutlass.Int32(0)\n"
+              "        n_block_max = cutlass.Float32(self.seqlen_k)  # a float where the loops need an integer")
+    out = transcripts.run({"check": ("check", "4", "-x")}, files={"stages/stage04_masking.py": text.replace(todo, broken)})
+    failure = transcripts.first_failure(out["check"])
+    line = next(i for i, source in enumerate(text.replace(todo, broken).splitlines(), start=1)
+                if "# only the visible tiles" in source)  # the producer's loop: the trace reaches it first
+    assert f"stages/stage04_masking.py:{line}: for n_block in cutlass.range(n_block_min, n_block_max" in failure, failure
+    assert "error[ARG_WRONG_TYPE]: Loop `stop` must be an integer type, not `Float32`" in failure, failure
+    assert f"--> stages/stage04_masking.py:{line}" in failure, failure

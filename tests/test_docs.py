@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from course import stages
+from course import notebooks, stages, testing, transcripts
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK_DIR = ROOT / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+NOTEBOOK_DIR = notebooks.NOTEBOOK_DIR
+NOTEBOOKS = notebooks.notebooks()
 
 
 def test_mkdocs_builds_strict(tmp_path):
@@ -53,16 +53,41 @@ def test_home_page_lists_every_stage():
 READY = [s for s in stages.STAGES if s.ready]
 
 
-@pytest.mark.parametrize("stage", READY, ids=lambda s: f"stage{s.number}")
-def test_docs_page_shows_the_real_first_todo(stage):
-    """The 'expected output while unsolved' on a stage page is what the skeleton really raises."""
-    module = stage.load("stages")
-    with pytest.raises(NotImplementedError) as raised:
-        module.cross_compile_config(module.KERNEL_CONFIGS[-1])
-    page = ROOT / "docs" / stage.docs_page
-    assert str(raised.value) in page.read_text(), (
-        f"{page.relative_to(ROOT)} shows an outdated TODO message; the skeleton now raises:\n{raised.value}"
-    )
+@pytest.mark.compiles
+def test_stage_pages_show_what_course_check_prints():
+    """Each stage page's "Expected output" ends with what `course check N` really prints on the untouched
+    skeleton: the first failing test, the line of the skeleton and the TODO message (a run with -x, which
+    stops there with the same lines; course.transcripts runs it in a scratch copy)."""
+    outputs = transcripts.run({s.number: ("check", str(s.number), "-x") for s in READY})
+    stale = []
+    for stage in READY:
+        tail = transcripts.first_failure(outputs[stage.number])
+        assert tail, f"`course check {stage.number}` on the skeleton did not fail:\n{outputs[stage.number][-3000:]}"
+        if tail not in (ROOT / "docs" / stage.docs_page).read_text():
+            stale.append(f"docs/{stage.docs_page} should end its Expected output block with:\n{tail}")
+    assert not stale, "\n\n".join(stale)
+
+
+@pytest.mark.compiles
+def test_quoted_transcripts_are_real_runs():
+    """docs/transcripts/ (included by how-it-works.md) is what the commands print today, seconds aside."""
+    if testing.gpu_skip_reason() is None:
+        pytest.skip("the pages quote runs on a machine without a GPU; this one has a Hopper GPU")
+    for name, text in transcripts.run(transcripts.TRANSCRIPTS).items():
+        committed = (transcripts.DIR / f"{name}.txt").read_text()
+        assert transcripts.comparable(committed) == transcripts.comparable(text), (
+            f"docs/transcripts/{name}.txt is not what `python -m course {' '.join(transcripts.TRANSCRIPTS[name])}` "
+            f"prints now; regenerate with `python -m course.transcripts`.\n--- printed ---\n{text}")
+
+
+def test_setup_page_quotes_the_status_footnote():
+    """setup.md quotes the line `course status` prints without a GPU."""
+    reason = testing.gpu_skip_reason()
+    if reason is None or not reason.startswith("no CUDA GPU"):
+        pytest.skip("the page quotes a machine without any CUDA GPU")
+    from course import cli
+
+    assert cli.gpu_columns_note(reason) in (ROOT / "docs" / "setup.md").read_text()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -85,17 +110,10 @@ NOTEBOOK_EXTRAS = {"10_gpt_oss.ipynb": ("transformers", "models")}
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path):
-    import nbformat
-    from nbclient import NotebookClient
-
     if path.name in NOTEBOOK_EXTRAS:
         module, extra = NOTEBOOK_EXTRAS[path.name]
         pytest.importorskip(module, reason=f"{path.name} needs the {extra} extra: pip install -e '.[{extra}]'")
-
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
-    client.execute()
+    notebooks.execute(path)
 
 
 def test_results_tables_are_generated(tmp_path):
@@ -337,3 +355,35 @@ def test_other_pages_fold_every_answer(page):
                 '??? success "Solution: <function>" block.'
             )
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("stage", [s for s in READY if s.cpu_numerics], ids=lambda s: f"stage{s.number}")
+def test_exercise_says_which_todos_the_cpu_numerics_cover(stage):
+    """One sentence of the page's exercise names every TODO function that `course check` runs on the CPU."""
+    text = (ROOT / "docs" / stage.docs_page).read_text()
+    start = text.index(EXERCISE_HEADING)
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end >= 0 else None]
+    missing = [name for name in stage.cpu_numerics if f"`{name}`" not in section]
+    assert "On the CPU" in section and not missing, (
+        f"docs/{stage.docs_page}: the exercise should say, in a sentence starting 'On the CPU', which TODOs the CPU "
+        f"numerics run (stage.cpu_numerics in course/stages.py); missing: {missing}")
+
+
+def test_notebook_pages_render_executed_copies_when_present(tmp_path, monkeypatch):
+    """`course notebooks --execute` writes executed copies; the hook renders a notebook's page from its copy."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("course_site", ROOT / "docs" / "hooks" / "course_site.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    monkeypatch.setattr(hook, "EXECUTED_DIR", tmp_path)
+    (tmp_path / NOTEBOOKS[0].name).write_text(NOTEBOOKS[0].read_text())
+
+    def rendered_from(notebook):
+        page = SimpleNamespace(file=SimpleNamespace(src_uri=f"notebooks/{notebook.name}", abs_src_path=str(notebook)))
+        return hook.on_pre_page(page, None, None).file.abs_src_path
+
+    assert rendered_from(NOTEBOOKS[0]) == str(tmp_path / NOTEBOOKS[0].name)
+    assert rendered_from(NOTEBOOKS[1]) == str(NOTEBOOKS[1])  # no executed copy: the committed notebook

@@ -1,5 +1,6 @@
 """Stage 3 checks: the shared prefill checks at any S_k, and the online-softmax tile model."""
 
+import cpu_numerics
 import pytest
 import torch
 
@@ -28,3 +29,13 @@ def test_double_scaling_is_caught():
     q, k, v = testing.random_qkv(1, 64, 300, 2, 2, 64, torch.float16, device="cpu", seed=9)
     assert testing.compare_with_reference(tile_models.online(q, k, v), q, k, v).ok
     assert not testing.compare_with_reference(tile_models.online(q, k, v, bug="double_scale"), q, k, v).ok
+
+ROW_CASES = {"three-tiles": (96, 1.0), "keys-past-sk": (77, 1.0), "large-logits": (96, 30.0)}
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("case", list(ROW_CASES))
+def test_on_cpu_online_softmax(stage, case):
+    """Your online_softmax on the CPU over 3 tiles of keys, each thread with whole rows, against the reference."""
+    seqlen_k, logit_scale = ROW_CASES[case]
+    cpu_numerics.check_attend_rows(stage, n_tiles=3, seqlen_k=seqlen_k, logit_scale=logit_scale)

@@ -1,5 +1,6 @@
 """Stage 4 checks: the shared prefill checks, then causal and sliding-window masks."""
 
+import cpu_numerics
 import pytest
 import torch
 
@@ -23,6 +24,13 @@ MASKS = {  # every case the contract's mask semantics must get right, by name
     "causal-and-window": dict(causal=True, window_size=(150, -1)),
 }
 MASK_LENGTHS = [(200, 700), (513, 513), (700, 200), (1, 300)]  # S_q <, =, > S_k; one query row
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("mask", list(MASKS), ids=list(MASKS))
+def test_on_cpu_kv_block_range_and_apply(stage, mask):
+    """Your WindowMask on the CPU: apply on every register of every thread, and the tiles the kernel visits."""
+    cpu_numerics.check_masks(stage, MASKS[mask], MASK_LENGTHS)
 
 
 @pytest.mark.parametrize("s_q, s_k", [(130, 300), (300, 130), (256, 256), (5, 700)])

@@ -1,5 +1,6 @@
 """Stage 5 checks: the shared prefill checks, then sink logits and sink tokens."""
 
+import cpu_numerics
 import pytest
 import torch
 
@@ -37,6 +38,33 @@ def test_sink_tile_model_matches_reference(name, case, sizes):
     features = features_for(case, 4, device="cpu")
     out = tile_models.masked_online(q, k, v, **features)
     testing.assert_attention_matches(out, q, k, v, where=f"sink tile model, {name}", **features)
+
+
+SINK_TOKEN_MASKS = {name: ({k: v for k, v in case.items() if k != "sinks"}, [sizes])  # the masks of CASES
+                    for name, case, sizes in CASES if "num_sink_tokens" in case}
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("name", list(SINK_TOKEN_MASKS))
+def test_on_cpu_sink_block_count_and_outside_left_bound(stage, name):
+    """Your WindowMask with sink tokens on the CPU: every register of every thread, and the tiles the kernel visits."""
+    case, lengths = SINK_TOKEN_MASKS[name]
+    cpu_numerics.check_masks(stage, case, lengths)
+
+
+SINK_ROWS = {  # (S_k, mask, sink logit) for 16 query rows over 3 tiles of 32 keys
+    "sink": (96, {}, 1.5),
+    "sink-causal-empty-rows": (10, dict(causal=True), -2.0),
+    "huge-sink": (96, dict(window_size=(5, 3)), 60.0),
+}
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("name", list(SINK_ROWS))
+def test_on_cpu_normalize_rows_with_a_sink(stage, name):
+    """Your normalize_rows with a sink logit on the CPU (after the online softmax), against the reference."""
+    seqlen_k, mask, sink = SINK_ROWS[name]
+    cpu_numerics.check_attend_rows(stage, n_tiles=3, seqlen_k=seqlen_k, features=mask, sink_logit=sink)
 
 
 def test_sink_tokens_survive_tile_skipping():

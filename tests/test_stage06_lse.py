@@ -2,6 +2,7 @@
 
 import math
 
+import cpu_numerics
 import pytest
 import torch
 
@@ -38,6 +39,37 @@ def assert_lse_matches(lse, q, k, v, where, **features):
     finite = torch.isfinite(ref)
     err = (lse[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
     assert err < 1e-3, f"{where}: LSE differs from the reference by {err:.2e} (natural log, sink included?)"
+
+
+# ---------------------------------------------------------------- your LSE code on the CPU
+
+LSE_ROWS = {  # (S_k, mask, sink logit) for 16 query rows over 3 tiles of 32 keys
+    "full": (96, {}, None),
+    "causal-empty-rows": (10, dict(causal=True), None),  # LSE = -inf
+    "sink-causal-empty-rows": (10, dict(causal=True), 1.5),  # LSE = the sink
+    "window-and-sink": (96, dict(window_size=(5, 3)), -2.0),
+}
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("name", list(LSE_ROWS))
+def test_on_cpu_normalize_rows_lse(stage, name):
+    """Your normalize_rows (O and LSE) on the CPU after the online softmax, against the reference."""
+    seqlen_k, mask, sink = LSE_ROWS[name]
+    cpu_numerics.check_attend_rows(stage, n_tiles=3, seqlen_k=seqlen_k, features=mask, sink_logit=sink)
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("seqlen_q", [1, 128, 300])
+def test_on_cpu_store_lse(stage, seqlen_q):
+    """Your store_lse from every consumer thread of every Q tile: every row's LSE, once, in its place."""
+    cpu_numerics.check_store_lse(stage, seqlen_q)
+
+
+@pytest.mark.compiles
+def test_on_cpu_merge_weights(stage):
+    """Your merge_weights on pairs of LSEs (empty parts included) against reference.merge_attention_states."""
+    cpu_numerics.check_merge_weights(stage)
 
 
 # ---------------------------------------------------------------- merging (CPU)
@@ -80,6 +112,7 @@ def test_merge_guards():
     assert (both == 0).all() and torch.isneginf(both_lse).all()  # never NaN
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("dtype, head_dim", [(d, h) for d in ("float16", "bfloat16") for h in testing.HEAD_DIMS])
 def test_merge_kernel_cross_compiles(stage, dtype, head_dim):
     report = stage.cross_compile_merge(dtype, head_dim)

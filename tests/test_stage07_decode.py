@@ -4,6 +4,7 @@ import itertools
 import math
 from pathlib import Path
 
+import cpu_numerics
 import pytest
 import torch
 
@@ -87,6 +88,36 @@ def test_auto_split_count(stage):
     assert stage.pick_num_splits(1, 8, 1024, sms, heads) <= 1024 // stage.MIN_KEYS_PER_SPLIT
 
 
+# ---------------------------------------------------------------- your kernel's helpers on the CPU
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("length, logit_scale", [(0, 1.0), (1, 1.0), (6, 1.0), (41, 1.0), (41, 30.0)])
+def test_on_cpu_online_softmax_update(stage, length, logit_scale):
+    """Your online_softmax_update over one key group's keys (and -inf past the end), against the reference."""
+    cpu_numerics.check_fold_keys(stage, length, logit_scale=logit_scale)
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("length", [0, 2, 41])
+def test_on_cpu_split_partial(stage, length):
+    """Your split_partial over 3 key groups (empty ones included), against the reference."""
+    cpu_numerics.check_split_partial(stage, length)
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("length, splits, sink", [(0, 3, False), (0, 3, True), (5, 4, True), (41, 3, False),
+                                                   (41, 7, True)])
+def test_on_cpu_fold_in_split_and_finish_combine(stage, length, splits, sink):
+    """Your combine over the splits' partials (empty splits, the sink logit), against the reference."""
+    cpu_numerics.check_combine(stage, length, splits, sink)
+
+
+@pytest.mark.compiles
+def test_on_cpu_arrive_and_elect_last(stage):
+    """Your arrive_and_elect_last over 3 launches of 5 CTAs: one last CTA per launch, the counter back at 0."""
+    cpu_numerics.check_elect_last(stage)
+
+
 # ---------------------------------------------------------------- validation (CPU)
 
 def cpu_inputs(lengths=(5, 9), h_q=4, h_kv=2, d=64, dtype=torch.float16, page_size=None):
@@ -152,6 +183,7 @@ def test_compile_matrix_covers_every_option(solution):
         assert {(c.has_sink, c.write_lse) for c in CONFIGS if c.head_dim == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_cross_compiles_for_sm90a(stage, config):
     report = stage.cross_compile_config(config, keep=True)

@@ -4,8 +4,11 @@
   file-name order, so a new stage page needs no edit of mkdocs.yml.
 - The workshop notebooks live in ``notebooks/``, outside ``docs/``. They are
   added to the site at build time (mkdocs-jupyter renders them, without
-  executing them), so no copy of a notebook is ever committed under ``docs/``.
-  The *Notebooks* section lists the index page and one page per notebook.
+  executing them). A notebook's page shows its executed copy from
+  ``docs/notebooks-executed/`` when one is there (``python -m course notebooks
+  --execute`` writes them on a GPU machine), else the committed notebook,
+  which has no outputs. The *Notebooks* section lists the index page and one
+  page per notebook.
 - ``<!-- notebook-index -->`` in a page becomes a table of every notebook with
   a link to its page and a download link for the ``.ipynb``.
 - Each notebook page starts with a download link and the command that runs it.
@@ -20,13 +23,10 @@ from pathlib import Path
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
+from course.notebooks import EXECUTED_DIR, NOTEBOOK_DIR, notebooks
+
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOK_INDEX_MARKER = "<!-- notebook-index -->"
-
-
-def notebooks() -> list[Path]:
-    return sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def notebook_title(path: Path) -> str:
@@ -79,6 +79,16 @@ def on_files(files, config):
     return files
 
 
+@event_priority(100)  # before mkdocs-jupyter renders the page from page.file.abs_src_path
+def on_pre_page(page, config, files):
+    """A notebook's page renders its executed copy (with outputs) when docs/notebooks-executed/ has one."""
+    uri = page.file.src_uri
+    executed = EXECUTED_DIR / Path(uri).name
+    if uri.startswith("notebooks/") and uri.endswith(".ipynb") and executed.exists():
+        page.file.abs_src_path = str(executed)
+    return page
+
+
 def on_page_markdown(markdown, page, config, files):
     if NOTEBOOK_INDEX_MARKER not in markdown:
         return markdown
@@ -93,12 +103,14 @@ def on_page_markdown(markdown, page, config, files):
 
 def on_page_content(content, page, config, files):
     path = Path(page.file.abs_src_path or "")
-    if path.suffix != ".ipynb" or path.parent != NOTEBOOK_DIR:
+    if path.suffix != ".ipynb" or path.parent not in (NOTEBOOK_DIR, EXECUTED_DIR):
         return content
     name = html.escape(path.name)
+    shown = ("Shown with the outputs of a run (docs/notebooks-executed/)." if path.parent == EXECUTED_DIR
+             else "Shown without outputs.")
     banner = (
         '<div class="admonition info"><p class="admonition-title">Workshop notebook</p>'
-        f'<p>Shown without outputs. <a href="{html.escape(path.name)}" download="{name}">Download {name}</a>, '
+        f'<p>{shown} <a href="{html.escape(path.name)}" download="{name}">Download {name}</a>, '
         f"or run it from the repository: <code>cd notebooks &amp;&amp; ../.venv/bin/jupyter execute {name}</code>. "
         "Without a Hopper GPU its GPU cells print why they were skipped and the rest runs.</p></div>"
     )

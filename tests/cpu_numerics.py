@@ -1,0 +1,717 @@
+"""CPU numerics: a stage's device helpers run on the CPU, on every thread's registers, against course.reference.
+
+A ``@cute.jit`` function that launches no kernel is compiled for the host and runs
+there, on CPU tensors wrapped with ``cutlass.cute.runtime.from_dlpack``. The helpers a
+learner writes for masks, softmax statistics, LSE and merging are register arithmetic,
+so the host functions below call them unchanged (from ``--impl``'s module) on the
+fragments every thread of a CTA would hold, and the tests compare what they compute
+with course.reference. No GPU is involved.
+
+The GPU instructions those helpers use have no host lowering. While a host function is
+traced, ``host_stand_ins`` puts host code in their place that computes the same value:
+
+- ``cute.arch.fmax`` and ``rcp_approx``: max (NaN ignored, as FMNMX does) and 1 / x;
+- ``cute.arch.warp_reduction_max`` / ``_sum`` over a quad (``threads_in_group=4``):
+  the thread's own value, because the softmax checks give each thread whole rows. A
+  missing quad reduction is therefore invisible here; the GPU tests see it;
+- for the decode kernel's last-CTA election, ``thread_idx`` (thread 0 of each CTA),
+  ``sync_threads`` (one thread: nothing to wait for), ``atomic_add`` and ``store`` on
+  the counter (plain loads and stores: the CTAs run one after another).
+
+Any other GPU-only instruction in the traced code stops the check with its file and line
+(``GpuOnlyInstruction``) instead of crashing the host compiler. Pipelines, TMA and WGMMA
+cannot run on a CPU: the TODOs that use them are checked by the GPU tests only.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Float32, Int32
+from cutlass._mlir import ir
+from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cute.runtime import from_dlpack
+
+from course import prefill, reference, validation
+from course.stages import ROOT
+
+GPU_ONLY_OPS = ("nvvm.", "nvgpu.", "gpu.", "llvm.inline_asm")
+MMA_THREADS = 256  # the two consumer warpgroups of a prefill CTA
+ROW_TILE = 32      # keys per tile in the whole-row softmax checks (the kernels use 128; the math is the same)
+O_COLUMNS = 8      # columns of O in the whole-row softmax checks
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+O_TOLERANCE = 1e-4     # fp32 helpers against a float64 reference, outputs of magnitude ~3
+LSE_TOLERANCE = 1e-5
+
+
+class GpuOnlyInstruction(Exception):
+    """The traced helper uses a GPU instruction that has no host stand-in."""
+
+
+# ---------------------------------------------------------------- host stand-ins
+
+def _max(a, b, **_):
+    return cutlass.max(Float32(a), Float32(b))  # arith.maxnumf ignores NaN, as nvvm.fmax does
+
+
+def _reciprocal(a, **_):
+    return Float32(1.0) / Float32(a)
+
+
+def _quad_of_one(value, *, threads_in_group=32, **_):
+    if threads_in_group != 4:
+        raise GpuOnlyInstruction(f"a warp reduction over {threads_in_group} threads: the CPU checks can only stand in "
+                                 "for quad reductions (threads_in_group=4)")
+    return value
+
+
+def _thread_zero(**_):
+    return Int32(0), Int32(0), Int32(0)
+
+
+def _nothing_to_wait_for(**_):
+    return None
+
+
+def _cell(ptr):
+    return cute.make_tensor(ptr, cute.make_layout(1))
+
+
+def _add_and_return_old(ptr, value, **_):
+    old = _cell(ptr)[0]
+    _cell(ptr)[0] = old + value
+    return old
+
+
+def _store(ptr, value, **_):
+    _cell(ptr)[0] = value
+
+
+STAND_INS = {
+    "fmax": _max, "rcp_approx": _reciprocal,
+    "warp_reduction_max": _quad_of_one, "warp_reduction_sum": _quad_of_one,
+    "thread_idx": _thread_zero, "sync_threads": _nothing_to_wait_for,
+    "atomic_add": _add_and_return_old, "store": _store,
+}
+
+
+@contextmanager
+def host_stand_ins():
+    """Swap the GPU instructions of STAND_INS for host code while a host function is traced."""
+    saved = {name: getattr(cute.arch, name) for name in STAND_INS}
+    for name, stand_in in STAND_INS.items():
+        setattr(cute.arch, name, stand_in)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(cute.arch, name, original)
+
+
+def _source_line(location: ir.Location) -> str:
+    found = re.findall(r'"([^"]+\.py)":(\d+)', str(location))
+    if not found:
+        return "an unknown line"
+    path, line = found[-1]
+    try:
+        path = str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        pass
+    return f"{path}:{line}"
+
+
+def _reject_gpu_only_ops(dsl, module, function_name):
+    """Trace-finalize hook: name the GPU-only operations before the host compiler aborts on them."""
+    found = []
+
+    def visit(op):
+        if op.name.startswith(GPU_ONLY_OPS):
+            found.append(f"{op.name} at {_source_line(op.location)}")
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+    if found:
+        raise GpuOnlyInstruction(
+            "this helper uses GPU instructions the CPU check has no stand-in for: " + "; ".join(sorted(set(found)))
+            + ". Write the arithmetic with cute.math / cutlass functions (host stand-ins exist for "
+            + ", ".join(f"cute.arch.{name}" for name in STAND_INS) + "), or check it on a Hopper GPU.")
+
+
+def _runtime(value):
+    """A host function's argument: a CuTe view of a torch CPU tensor, or a Python int or float as Int32 / Float32."""
+    if isinstance(value, torch.Tensor):
+        return from_dlpack(value)
+    return Int32(value) if isinstance(value, int) else Float32(value)
+
+
+class CpuFunction:
+    """A host function compiled for this machine; call it with torch CPU tensors and Python numbers."""
+
+    def __init__(self, compiled):
+        self._compiled = compiled
+
+    def __call__(self, *args):
+        self._compiled(*(_runtime(a) for a in args))
+
+
+_CACHE: dict = {}  # (host function, static arguments, argument shapes) -> CpuFunction
+
+
+def compile_on_cpu(host_fn, static: tuple, args: tuple) -> CpuFunction:
+    """``cute.compile`` a host function for the CPU; ``static`` are its compile-time (Constexpr) arguments.
+
+    Compiled once per static arguments and argument shapes, then reused. The target arch
+    is sm_90a because the Hopper MMA partitioners check it while tracing; nothing here
+    runs on a GPU.
+    """
+    key = (host_fn, static, tuple((a.shape, a.dtype) if isinstance(a, torch.Tensor) else type(a) for a in args))
+    if key not in _CACHE:
+        with host_stand_ins():
+            try:
+                compiled = cute.compile(host_fn, *static, *(_runtime(a) for a in args),
+                                        options="--gpu-arch sm_90a --generate-line-info",
+                                        trace_finalize_hooks=_reject_gpu_only_ops)
+            except Exception as error:  # the DSL wraps a hook's exception: show ours as it is
+                if isinstance(error.__cause__, GpuOnlyInstruction):
+                    raise error.__cause__ from None
+                raise
+        _CACHE[key] = CpuFunction(compiled)
+    return _CACHE[key]
+
+
+# ---------------------------------------------------------------- prefill: masks and tile ranges (stages 4+)
+
+def qk_tiled_mma(module):
+    """S = Q K^T partitioned as the kernel does it (qk_mma in Attention.__call__): the (row, key) of each register."""
+    return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K, OperandMajorMode.K,
+                                             Float32, (2, 1, 1), (64, module.TILE_N))
+
+
+def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens):
+    """The stage's WindowMask of Q tile ``m_block``; num_sink_tokens is one of its arguments from stage 5 on."""
+    if module.STAGE >= 5:
+        return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
+    return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, config)
+
+
+@cute.jit
+def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: cutlass.Constexpr,
+                scores: cute.Tensor, tiles: cute.Tensor, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                left: Int32, right: Int32, num_sink_tokens: Int32):
+    """WindowMask of Q tile ``m_block`` on every register of every consumer thread, for each KV tile.
+
+    ``scores`` [TILE_M, n_blocks * TILE_N], zeros, gets -inf where ``apply`` masks a key;
+    ``tiles`` gets [n_block_min, n_block_max, sink tiles] (``kv_block_range``, ``sink_block_count``).
+    """
+    qk_mma = qk_tiled_mma(module)
+    mask = window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens)
+    n_block_min, n_block_max = mask.kv_block_range()
+    tiles[0] = n_block_min
+    tiles[1] = n_block_max
+    if cutlass.const_expr(module.STAGE >= 5):
+        tiles[2] = mask.sink_block_count(n_block_min)
+    apply = mask.apply  # (a runtime loop may not carry the mask object; its bound method is fine)
+    for n_block in range(n_blocks):
+        for thread in range(MMA_THREADS):
+            thr = qk_mma.get_slice(thread)
+            acc_S = thr.make_fragment_C(thr.partition_shape_C((module.TILE_M, module.TILE_N)))
+            tScS = thr.partition_C(cute.make_identity_tensor((module.TILE_M, module.TILE_N)))
+            acc_S.fill(0.0)
+            apply(acc_S, tScS, n_block)
+            for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+                row, key = tScS[i]
+                scores[row, n_block * module.TILE_N + key] = acc_S[i]
+
+
+# ---------------------------------------------------------------- prefill: each thread's softmax path (stages 1-6)
+
+def whole_rows(columns: int):
+    """A fragment shaped like a WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) that holds 2 whole rows of ``columns``.
+
+    In the kernel 4 threads (a quad) share a row; here one thread has all of it, so its quad
+    reductions have nothing to add (``host_stand_ins``) and the row statistics are exact.
+    """
+    return cute.make_rmem_tensor(((2, 2, columns // 2), 1, 1), Float32)
+
+
+@cute.jit
+def load_rows(rows: cute.Tensor, source: cute.Tensor, row0: Int32, col0: Int32):
+    for r in cutlass.range_constexpr(cute.size(rows, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(rows, mode=[1])):
+            rows[r, c] = source[row0 + r, col0 + c]
+
+
+@cute.jit
+def add_pv(p: cute.Tensor, o: cute.Tensor, v: cute.Tensor, key0: Int32):
+    """O += P V for one tile of keys: the second WGMMA's job, in fp32."""
+    for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+        for d in cutlass.range_constexpr(cute.size(o, mode=[1])):
+            total = o[r, d]
+            for c in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                total = total + p[r, c] * v[key0 + c, d]
+            o[r, d] = total
+
+
+@cute.jit
+def attend_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr, has_sink: cutlass.Constexpr,
+                scores: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+                scale_log2: cutlass.Float32, sink_log2: cutlass.Float32):
+    """The stage's softmax path of a consumer thread, 2 whole rows per thread, over ``n_tiles`` tiles of keys.
+
+    ``scores`` [rows, n_tiles * ROW_TILE]: raw Q K^T, -inf where a mask hides a key. As the
+    kernel does: stage 1 softmax_rows; stage 2 update_row_max over every tile, then
+    exponentiate_rows; stage 3 on online_softmax; then O += P V (here), the quad
+    reductions, normalize_rows. ``o`` [rows, O_COLUMNS] gets O; ``lse`` the LSE (stage 6).
+    """
+    for thread in range(cute.size(o, mode=[0]) // 2):
+        attend_two_rows(module, n_tiles, has_sink, scores, v, o, lse, scale_log2, sink_log2, 2 * thread)
+
+
+@cute.jit
+def attend_two_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr, has_sink: cutlass.Constexpr,
+                    scores: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+                    scale_log2: cutlass.Float32, sink_log2: cutlass.Float32, row0: Int32):
+    """One thread of attend_rows: rows row0 and row0 + 1. (A function of its own: a runtime loop
+    may not carry the module object, whose helpers this body calls.)"""
+    acc_S, acc_O = whole_rows(ROW_TILE), whole_rows(O_COLUMNS)
+    s, out = module.rows_cols_view(acc_S), module.rows_cols_view(acc_O)
+    row_max = cute.make_rmem_tensor(2, Float32)
+    row_sum = cute.make_rmem_tensor(2, Float32)
+    row_lse = cute.make_rmem_tensor(2, Float32)
+    row_max.fill(-Float32.inf)
+    row_sum.fill(0.0)
+    row_lse.fill(0.0)
+    acc_O.fill(0.0)
+    if cutlass.const_expr(module.STAGE == 1):
+        load_rows(s, scores, row0, 0)
+        sums = module.softmax_rows(acc_S, scale_log2)
+        for r in cutlass.range_constexpr(2):
+            row_sum[r] = sums[r]
+        add_pv(s, out, v, 0)
+    if cutlass.const_expr(module.STAGE == 2):
+        for tile in cutlass.range_constexpr(n_tiles):
+            load_rows(s, scores, row0, tile * ROW_TILE)
+            module.update_row_max(acc_S, row_max)
+        module.quad_allreduce(row_max, cute.arch.warp_reduction_max)
+        for tile in cutlass.range_constexpr(n_tiles):
+            load_rows(s, scores, row0, tile * ROW_TILE)
+            module.exponentiate_rows(acc_S, row_max, scale_log2, row_sum)
+            add_pv(s, out, v, tile * ROW_TILE)
+    if cutlass.const_expr(module.STAGE >= 3):
+        for tile in cutlass.range_constexpr(n_tiles):
+            load_rows(s, scores, row0, tile * ROW_TILE)
+            module.online_softmax(acc_S, acc_O, row_max, row_sum, scale_log2)
+            add_pv(s, out, v, tile * ROW_TILE)
+    if cutlass.const_expr(module.STAGE >= 2):
+        module.quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
+    if cutlass.const_expr(module.STAGE >= 6):
+        module.normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, has_sink, row_lse)
+    if cutlass.const_expr(module.STAGE == 5):
+        module.normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, has_sink)
+    if cutlass.const_expr(module.STAGE <= 4):
+        module.normalize_rows(acc_O, row_sum)
+    for r in cutlass.range_constexpr(2):
+        lse[row0 + r] = row_lse[r]
+        for d in cutlass.range_constexpr(O_COLUMNS):
+            o[row0 + r, d] = out[r, d]
+
+
+# ---------------------------------------------------------------- prefill: LSE store and merge (stage 6)
+
+@cute.jit
+def store_lse_of_q_tile(module: cutlass.Constexpr, mLSE: cute.Tensor, m_block: Int32, seqlen_q: Int32):
+    """Every consumer thread calls store_lse with its rows' LSE set to row + 0.5, into mLSE [1, 1, S_q]."""
+    qk_mma = qk_tiled_mma(module)
+    row0 = m_block * module.TILE_M
+    rows_cols_view, store_lse = module.rows_cols_view, module.store_lse  # (not the module object: see fold_keys)
+    for thread in range(MMA_THREADS):
+        tScS = qk_mma.get_slice(thread).partition_C(cute.make_identity_tensor((module.TILE_M, module.TILE_N)))
+        coord = rows_cols_view(tScS)
+        row_lse = cute.make_rmem_tensor(cute.size(coord, mode=[0]), Float32)
+        for r in cutlass.range_constexpr(cute.size(coord, mode=[0])):
+            row_lse[r] = Float32(row0 + coord[r, 0][0]) + 0.5
+        store_lse(row_lse, mLSE, tScS, row0, seqlen_q, Int32(0), Int32(0), thread)
+
+
+@cute.jit
+def merge_pairs(module: cutlass.Constexpr, lse_a: cute.Tensor, lse_b: cute.Tensor, out: cute.Tensor):
+    """out[i] = merge_weights(lse_a[i], lse_b[i]) as (w_a, w_b, lse)."""
+    merge_weights = module.merge_weights  # (not the module object: see fold_keys)
+    for i in range(cute.size(lse_a)):
+        w_a, w_b, lse = merge_weights(lse_a[i], lse_b[i])
+        out[i, 0] = w_a
+        out[i, 1] = w_b
+        out[i, 2] = lse
+
+
+# ---------------------------------------------------------------- decode (stage 7)
+
+@cute.jit
+def fold_keys(module: cutlass.Constexpr, scores: cute.Tensor, v: cute.Tensor, state: cute.Tensor):
+    """One key group's running softmax over ``scores`` [steps, H, U] (log2 units, -inf past the end) and
+    ``v`` [steps, U, VEC]: online_softmax_update once per step. ``state`` [H, 2 + VEC] gets
+    (max, sum, unnormalized O) of every head."""
+    steps, heads, unroll = cute.size(scores, mode=[0]), cute.size(scores, mode=[1]), cute.size(scores, mode=[2])
+    row_max = cute.make_rmem_tensor((heads,), Float32)
+    row_sum = cute.make_rmem_tensor((heads,), Float32)
+    acc = cute.make_rmem_tensor(cute.make_ordered_layout((heads, module.VEC), order=(1, 0)), Float32)
+    r_scores = cute.make_rmem_tensor((heads, unroll), Float32)
+    r_v = cute.make_rmem_tensor(cute.make_ordered_layout((unroll, module.VEC), order=(1, 0)), v.element_type)
+    row_max.fill(-Float32.inf)
+    row_sum.fill(0.0)
+    acc.fill(0.0)
+    online_softmax_update = module.online_softmax_update  # (a runtime loop may not carry the module object)
+    for step in range(steps):
+        for u in cutlass.range_constexpr(unroll):
+            for h in cutlass.range_constexpr(heads):
+                r_scores[h, u] = scores[step, h, u]
+            for i in cutlass.range_constexpr(module.VEC):
+                r_v[u, i] = v[step, u, i]
+        online_softmax_update(r_scores, r_v, row_max, row_sum, acc)
+    for h in cutlass.range_constexpr(heads):
+        state[h, 0] = row_max[h]
+        state[h, 1] = row_sum[h]
+        for i in cutlass.range_constexpr(module.VEC):
+            state[h, 2 + i] = acc[h, i]
+
+
+@cute.jit
+def merge_groups(module: cutlass.Constexpr, maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor,
+                 o: cute.Tensor, lse: cute.Tensor):
+    """split_partial for every (head, 4 columns) of the key groups' states maxes/sums [G, H], accs [G, H, D]."""
+    heads, head_dim = cute.size(accs, mode=[1]), cute.size(accs, mode=[2])
+    part = cute.make_rmem_tensor((4,), Float32)
+    split_partial = module.split_partial  # (a runtime loop may not carry the module object)
+    for h in range(heads):
+        for quad in cutlass.range_constexpr(head_dim // 4):
+            lse[h] = split_partial(maxes, sums, accs, h, quad, part)
+            for i in cutlass.range_constexpr(4):
+                o[h, 4 * quad + i] = part[i]
+
+
+@cute.jit
+def combine_splits(module: cutlass.Constexpr, has_sink: cutlass.Constexpr, part_lse: cute.Tensor,
+                   part_o: cute.Tensor, sink_log2: cute.Tensor, o: cute.Tensor, lse: cute.Tensor):
+    """The last CTA's combine for every (head, 4 columns): fold_in_split per split, then finish_combine."""
+    splits, heads, head_dim = cute.size(part_o, mode=[0]), cute.size(part_o, mode=[1]), cute.size(part_o, mode=[2])
+    state = cute.make_rmem_tensor((2,), Float32)
+    acc = cute.make_rmem_tensor((4,), Float32)
+    part = cute.make_rmem_tensor((4,), Float32)
+    fold_in_split, finish_combine = module.fold_in_split, module.finish_combine  # (not the module object: see fold_keys)
+    for h in range(heads):
+        for quad in cutlass.range_constexpr(head_dim // 4):
+            state[0] = -Float32.inf
+            state[1] = Float32(0.0)
+            acc.fill(0.0)
+            for split in range(splits):
+                for i in cutlass.range_constexpr(4):
+                    part[i] = part_o[split, h, 4 * quad + i]
+                fold_in_split(part_lse[split, h], part, state, acc)
+            lse[h] = finish_combine(state, acc, sink_log2[h], has_sink)
+            for i in cutlass.range_constexpr(4):
+                o[h, 4 * quad + i] = acc[i]
+
+
+@cute.jit
+def elect_last(module: cutlass.Constexpr, counter: cute.Tensor, flag: cute.Tensor, elected: cute.Tensor):
+    """``elected`` [launches, num_splits]: what arrive_and_elect_last returns to each CTA of each launch,
+    the CTAs of a launch arriving one after another on the same counter."""
+    launches, num_splits = cute.size(elected, mode=[0]), cute.size(elected, mode=[1])
+    arrive_and_elect_last = module.arrive_and_elect_last  # (not the module object: see fold_keys)
+    for launch in range(launches):
+        for cta in range(num_splits):
+            elected[launch, cta] = arrive_and_elect_last(counter.iterator, Int32(num_splits), flag)
+
+
+# ---------------------------------------------------------------- the checks the stage tests run
+
+def _tiles(n: int, size: int) -> int:
+    return -(-n // size)
+
+
+def mask_description(features: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in features.items()) or "no mask"
+
+
+def check_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
+    """WindowMask.kv_block_range (and sink_block_count) and apply, for every Q tile, against reference.visible_keys.
+
+    ``features``: causal, window_size and num_sink_tokens as the API takes them. ``apply`` must
+    mask exactly the invisible keys (and every key past S_k) on every KV tile; the tiles the
+    kernel visits must be exactly those that hold a visible key: a missing one loses keys, an
+    extra one costs time, which is what the stage saves.
+    """
+    left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
+    sinks = features.get("num_sink_tokens", 0)
+    config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
+    tile_m, tile_n = module.TILE_M, module.TILE_N
+    n_blocks = max(_tiles(s_k, tile_n) for _, s_k in lengths)
+    scores = torch.zeros(tile_m, n_blocks * tile_n)
+    tiles = torch.zeros(3, dtype=torch.int32)
+    for s_q, s_k in lengths:
+        visible = reference.visible_keys(s_q, s_k, **features)
+        for m_block in range(_tiles(s_q, tile_m)):
+            scores.zero_()
+            tiles.zero_()
+            args = (scores, tiles, m_block, s_q, s_k, left, right, sinks)
+            compile_on_cpu(mask_q_tile, (module, config, n_blocks), args)(*args)
+            rows = visible[m_block * tile_m:(m_block + 1) * tile_m]
+            where = f"{mask_description(features)}, S_q={s_q}, S_k={s_k}, Q tile {m_block}"
+            _assert_masked_exactly(scores[:len(rows)] == 0, rows, m_block * tile_m, where)
+            _assert_visits_exactly(tiles.tolist(), rows, n_blocks, tile_n, where)
+
+
+def _assert_masked_exactly(kept: torch.Tensor, rows: torch.Tensor, row0: int, where: str) -> None:
+    expected = torch.zeros_like(kept)
+    expected[:, :rows.shape[1]] = rows
+    wrong = (kept != expected).nonzero()
+    if len(wrong):
+        row, key = wrong[0].tolist()
+        should, did = ("visible", "set it to -inf") if expected[row, key] else ("masked (-inf)", "left it")
+        raise AssertionError(
+            f"WindowMask.apply, {where}: key {key} should be {should} for query row {row0 + row}, but apply {did} "
+            f"({len(wrong)} wrong registers in this Q tile). Visible means row + offset - left <= key <= "
+            "row + offset + right and key < S_k, offset = S_k - S_q (docs/contract.md).")
+
+
+def _assert_visits_exactly(tiles: list[int], rows: torch.Tensor, n_blocks: int, tile_n: int, where: str) -> None:
+    n_min, n_max, n_sink = tiles
+    needed = [n for n in range(n_blocks) if rows[:, n * tile_n:(n + 1) * tile_n].any()]
+    visited = list(range(n_sink)) + list(range(n_min, n_max))
+    if sorted(visited) != needed or len(set(visited)) != len(visited):
+        sink_part = f"sink tiles [0, {n_sink}) then " if n_sink else ""
+        raise AssertionError(
+            f"kv_block_range, {where}: the kernel visits {sink_part}tiles [{n_min}, {n_max}) = {visited}, "
+            f"but the tiles that hold a visible key are {needed}. A missing tile drops keys; an extra one is "
+            "correct but costs a tile of work, which is what the stage saves.")
+
+
+SOFTMAX_PATHS = {
+    1: "softmax_rows on one tile of keys, then normalize_rows",
+    2: "update_row_max over every tile, then exponentiate_rows per tile, then normalize_rows",
+    3: "online_softmax per tile of keys, then normalize_rows",
+}
+
+
+def check_attend_rows(module, *, n_tiles: int, seqlen_k: int, features: dict | None = None,
+                      sink_logit: float | None = None, logit_scale: float = 1.0, seed: int = 0) -> None:
+    """The stage's softmax path (attend_rows) on 16 query rows against reference.attention: O, and the LSE from stage 6.
+
+    The scores are Q K^T of random inputs (times ``logit_scale``), -inf where ``features``'
+    mask hides a key and past ``seqlen_k`` up to n_tiles * ROW_TILE keys.
+    """
+    features = dict(features or {})
+    rows, width, head_dim = 16, n_tiles * ROW_TILE, 16
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, rows, 1, head_dim, generator=gen) * logit_scale
+    k = torch.randn(1, seqlen_k, 1, head_dim, generator=gen)
+    v = torch.randn(1, seqlen_k, 1, O_COLUMNS, generator=gen) + 1.0  # a mean: a wrong weight shows in O
+    sink = None if sink_logit is None else torch.tensor([sink_logit])
+    o_ref, lse_ref = reference.attention(q, k, v, softmax_scale=head_dim ** -0.5, sink_logits=sink, return_lse=True,
+                                         **features)
+    scores = torch.full((rows, width), -math.inf)
+    scores[:, :seqlen_k] = (q[0, :, 0] @ k[0, :, 0].T).masked_fill(~reference.visible_keys(rows, seqlen_k, **features),
+                                                                     -math.inf)
+    v_tiles = torch.zeros(width, O_COLUMNS)
+    v_tiles[:seqlen_k] = v[0, :, 0]
+    o, lse = torch.full((rows, O_COLUMNS), math.nan), torch.full((rows,), math.nan)
+    args = (scores, v_tiles, o, lse, head_dim ** -0.5 * LOG2_E, (sink_logit or 0.0) * LOG2_E)
+    compile_on_cpu(attend_rows, (module, n_tiles, sink is not None), args)(*args)
+    where = (f"{SOFTMAX_PATHS[min(module.STAGE, 3)]}, {mask_description(features)}, S_k={seqlen_k}"
+             + (f", sink logit {sink_logit}" if sink is not None else "")
+             + (f", logits x{logit_scale}" if logit_scale != 1 else ""))
+    assert_rows_match(o, o_ref[0, :, 0], where)
+    if module.STAGE >= 6:
+        assert_lse_matches(lse, lse_ref[0, 0], where)
+
+
+def assert_rows_match(got: torch.Tensor, expected: torch.Tensor, where: str, unit: str = "row") -> None:
+    """O, got/expected [rows (or heads), columns]: fail with the first wrong one, or the first NaN, and what NaN means."""
+    nan = torch.isnan(got).any(dim=-1)
+    if nan.any():
+        row = int(nan.nonzero()[0])
+        raise AssertionError(f"{where}: O of {unit} {row} is NaN: inf - inf or 0 / 0 in the softmax (a row whose "
+                             "max is still -inf needs the guard), or a value was never written.")
+    error = (got.double() - expected.double()).abs().amax(dim=-1)
+    if (error > O_TOLERANCE).any():
+        row = int((error > O_TOLERANCE).nonzero()[0])
+        raise AssertionError(
+            f"{where}: O of {unit} {row} differs from course.reference by {error[row]:.2e} "
+            f"(tolerance {O_TOLERANCE}): got {[round(x, 4) for x in got[row].tolist()[:4]]}..., "
+            f"expected {[round(x, 4) for x in expected[row].tolist()[:4]]}...")
+
+
+def assert_lse_matches(got: torch.Tensor, expected: torch.Tensor, where: str, unit: str = "row") -> None:
+    """Natural-log LSE: -inf exactly where course.reference has it (no key, no sink), else within LSE_TOLERANCE."""
+    if torch.isnan(got).any():
+        raise AssertionError(f"{where}: LSE of {unit} {int(torch.isnan(got).nonzero()[0])} is NaN")
+    inf_wrong = torch.isneginf(got) != torch.isneginf(expected)
+    if inf_wrong.any():
+        row = int(inf_wrong.nonzero()[0])
+        raise AssertionError(f"{where}: LSE of {unit} {row} is {got[row].item()}, course.reference {expected[row].item()} "
+                             "(-inf exactly for a row with no visible key and no sink)")
+    finite = torch.isfinite(expected)
+    error = (got[finite].double() - expected[finite].double()).abs()
+    if len(error) and error.max() > LSE_TOLERANCE:
+        row = int(finite.nonzero()[int(error.argmax())])
+        raise AssertionError(f"{where}: LSE of {unit} {row} is {got[row].item():.6f}, course.reference "
+                             f"{expected[row].item():.6f} (natural log, sink included)")
+
+
+def check_store_lse(module, seqlen_q: int) -> None:
+    """store_lse from every consumer thread of every Q tile: each row < S_q gets its own LSE, nothing past S_q."""
+    lse = torch.full((1, 1, _tiles(seqlen_q, module.TILE_M) * module.TILE_M), math.nan)
+    for m_block in range(_tiles(seqlen_q, module.TILE_M)):
+        args = (lse, m_block, seqlen_q)
+        compile_on_cpu(store_lse_of_q_tile, (module,), args)(*args)
+    got = lse[0, 0]
+    missing = torch.isnan(got[:seqlen_q]).nonzero().flatten().tolist()
+    if missing:
+        raise AssertionError(f"store_lse, S_q={seqlen_q}: no LSE was written for rows {missing[:8]}... "
+                             f"({len(missing)} of {seqlen_q}). Every query row needs its LSE: the first thread of "
+                             "each quad writes its rows.")
+    wrong = (got[:seqlen_q] != torch.arange(seqlen_q) + 0.5).nonzero().flatten().tolist()
+    if wrong:
+        raise AssertionError(f"store_lse, S_q={seqlen_q}: row {wrong[0]} holds {got[wrong[0]].item()}, the LSE of "
+                             f"row {got[wrong[0]].item() - 0.5:.0f}: lse[r] belongs at row row0 + coord[r, 0][0]")
+    if not torch.isnan(got[seqlen_q:]).all():
+        raise AssertionError(f"store_lse, S_q={seqlen_q}: it wrote past the last query row (rows >= S_q are "
+                             "another batch's or outside the tensor)")
+
+
+def check_merge_weights(module) -> None:
+    """merge_weights on pairs of LSEs, empty parts (-inf) included, against reference.merge_attention_states."""
+    inf = math.inf
+    lse_a = torch.tensor([0.3, -inf, 2.0, -inf, 50.0, 100.0, -3.0])
+    lse_b = torch.tensor([1.2, 0.5, -inf, -inf, -50.0, 99.0, -3.0])
+    out = torch.full((len(lse_a), 3), math.nan)
+    compile_on_cpu(merge_pairs, (module,), (lse_a, lse_b, out))(lse_a, lse_b, out)
+    one, zero = torch.ones(1, len(lse_a), 1, 1), torch.zeros(1, len(lse_a), 1, 1)
+    w_a, lse = reference.merge_attention_states(one, lse_a.view(1, 1, -1), zero, lse_b.view(1, 1, -1))
+    w_b, _ = reference.merge_attention_states(zero, lse_a.view(1, 1, -1), one, lse_b.view(1, 1, -1))
+    expected = torch.stack([w_a.flatten(), w_b.flatten(), lse.flatten().double()], dim=1)
+    for i in range(len(lse_a)):
+        got = out[i].double()
+        same = torch.isclose(got, expected[i], rtol=1e-5, atol=1e-6) | (torch.isneginf(got) & torch.isneginf(expected[i]))
+        if not same.all():
+            raise AssertionError(
+                f"merge_weights({lse_a[i].item():g}, {lse_b[i].item():g}) returns (w_a, w_b, lse) = "
+                f"{tuple(round(x, 6) for x in got.tolist())}; course.reference gives "
+                f"{tuple(round(x, 6) for x in expected[i].tolist())}. The weights are exp(lse - M) / total "
+                "(they add up to 1, or are both 0 when both parts are empty).")
+
+
+# ---------------------------------------------------------------- decode checks (stage 7)
+
+DECODE_HEADS, DECODE_UNROLL = 4, 4  # a CTA of 4 query heads loads 4 keys per key group and iteration
+
+
+def decode_problem(length: int, *, seed: int = 0, logit_scale: float = 1.0):
+    """One sequence of ``length`` keys seen by DECODE_HEADS query heads of one KV head, head dim VEC (8):
+    (q, k_cache, v_cache, cache_seqlens) for course.reference, V in fp16 as the kernel reads it."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, DECODE_HEADS, 8, generator=gen) * logit_scale
+    k = torch.randn(1, length, 1, 8, generator=gen)
+    v = (torch.randn(1, length, 1, 8, generator=gen) + 1.0).half().float()
+    return q, k, v, torch.tensor([length], dtype=torch.int32)
+
+
+def scores_log2(q, k) -> torch.Tensor:
+    """[H, L]: q . k * softmax_scale * log2(e), the kernel's scores (exp2 gives the softmax numerators)."""
+    return (q[0] @ k[0, :, 0].T) * 8 ** -0.5 * LOG2_E
+
+
+def check_fold_keys(module, length: int, *, logit_scale: float = 1.0) -> None:
+    """online_softmax_update over one key group's keys against reference.decode_attention (O and LSE)."""
+    q, k, v, seqlens = decode_problem(length, seed=length, logit_scale=logit_scale)
+    steps = max(1, _tiles(length, DECODE_UNROLL)) + 1  # one more step of keys past the end: scores -inf
+    scores = torch.full((DECODE_HEADS, steps * DECODE_UNROLL), -math.inf)
+    scores[:, :length] = scores_log2(q, k)
+    values = torch.zeros(steps * DECODE_UNROLL, 8)
+    values[:length] = v[0, :, 0]
+    scores = scores.view(DECODE_HEADS, steps, DECODE_UNROLL).permute(1, 0, 2).contiguous()
+    values = values.view(steps, DECODE_UNROLL, 8).half()
+    state = torch.full((DECODE_HEADS, 10), math.nan)
+    compile_on_cpu(fold_keys, (module,), (scores, values, state))(scores, values, state)
+    o_ref, lse_ref = reference.decode_attention(q, k, v, seqlens, return_lse=True)
+    where = f"online_softmax_update over {length} keys" + (f", logits x{logit_scale}" if logit_scale != 1 else "")
+    total = state[:, 1:2]
+    o = torch.where(total > 0, state[:, 2:] / total.clamp_min(1e-30), 0.0)
+    assert_rows_match(o, o_ref[0], where + " (O = acc / row_sum)", unit="head")
+    lse = (state[:, 0] + torch.log2(state[:, 1])) * LN_2
+    assert_lse_matches(lse, lse_ref[0], where + " (LSE = row_max + log2(row_sum))", unit="head")
+
+
+def check_split_partial(module, length: int, groups: int = 3) -> None:
+    """split_partial over key groups that share a split's keys (some empty) against reference.decode_attention."""
+    q, k, v, seqlens = decode_problem(length, seed=100 + length)
+    scores = scores_log2(q, k).double()
+    maxes = torch.full((groups, DECODE_HEADS), -math.inf)
+    sums = torch.zeros(groups, DECODE_HEADS)
+    accs = torch.zeros(groups, DECODE_HEADS, 8)
+    for g in range(groups):  # key j belongs to group j % groups, as in the kernel's loop
+        keys = list(range(g, length, groups))
+        if keys:
+            group_max = scores[:, keys].amax(dim=-1)
+            p = torch.exp2(scores[:, keys] - group_max[:, None])
+            maxes[g], sums[g] = group_max.float(), p.sum(-1).float()
+            accs[g] = (p @ v[0, keys, 0].double()).float()
+    o, lse = torch.full((DECODE_HEADS, 8), math.nan), torch.full((DECODE_HEADS,), math.nan)
+    compile_on_cpu(merge_groups, (module,), (maxes, sums, accs, o, lse))(maxes, sums, accs, o, lse)
+    o_ref, lse_ref = reference.decode_attention(q, k, v, seqlens, return_lse=True)
+    where = f"split_partial, {groups} key groups over {length} keys"
+    assert_rows_match(o, o_ref[0], where, unit="head")
+    assert_lse_matches(lse * LN_2, lse_ref[0], where + " (the LSE it returns, in log2 units)", unit="head")
+
+
+def check_combine(module, length: int, splits: int, sink: bool) -> None:
+    """fold_in_split per split, then finish_combine (with the sink logit), against reference.decode_attention.
+
+    Each split's partial is the reference's own answer for its slice of the keys; slices past
+    the end are empty (LSE -inf, O = 0), as in the kernel.
+    """
+    q, k, v, seqlens = decode_problem(length, seed=200 + length)
+    sink_logits = torch.linspace(-2.0, 3.0, DECODE_HEADS) if sink else None
+    chunk = max(1, _tiles(length, splits))
+    part_o = torch.zeros(splits, DECODE_HEADS, 8)
+    part_lse = torch.full((splits, DECODE_HEADS), -math.inf)
+    for s in range(splits):
+        begin, end = min(s * chunk, length), min((s + 1) * chunk, length)
+        if end > begin:
+            o_s, lse_s = reference.decode_attention(q, k[:, begin:end], v[:, begin:end],
+                                                    torch.tensor([end - begin], dtype=torch.int32), return_lse=True)
+            part_o[s], part_lse[s] = o_s[0].float(), lse_s[0] * LOG2_E
+    sink_log2 = (sink_logits if sink else torch.zeros(DECODE_HEADS)) * LOG2_E
+    o, lse = torch.full((DECODE_HEADS, 8), math.nan), torch.full((DECODE_HEADS,), math.nan)
+    args = (part_lse, part_o, sink_log2, o, lse)
+    compile_on_cpu(combine_splits, (module, sink), args)(*args)
+    o_ref, lse_ref = reference.decode_attention(q, k, v, seqlens, sink_logits=sink_logits, return_lse=True)
+    where = f"fold_in_split + finish_combine, {splits} splits over {length} keys" + (", sink logits" if sink else "")
+    assert_rows_match(o, o_ref[0], where, unit="head")
+    assert_lse_matches(lse * LN_2, lse_ref[0], where + " (the LSE finish_combine returns, in log2 units)", unit="head")
+
+
+def check_elect_last(module, num_splits: int = 5, launches: int = 3) -> None:
+    """arrive_and_elect_last: in every launch exactly the last CTA to arrive is elected, and the counter is 0 again."""
+    counter, flag = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    elected = torch.full((launches, num_splits), -1, dtype=torch.int32)
+    compile_on_cpu(elect_last, (module,), (counter, flag, elected))(counter, flag, elected)
+    expected = [0] * (num_splits - 1) + [1]
+    for launch, flags in enumerate(elected.tolist()):
+        if flags != expected:
+            raise AssertionError(
+                f"arrive_and_elect_last, launch {launch + 1} ({num_splits} CTAs arriving one after another): "
+                f"returned {flags}, expected {expected} (only the last CTA combines). "
+                + ("The counter is not back at 0 after a launch: the last CTA must reset it." if launch else
+                   "The CTA whose atomic add returns num_splits - 1 is the last."))
+    if counter.item() != 0:
+        raise AssertionError(f"arrive_and_elect_last: the counter is {counter.item()} after {launches} launches; the "
+                             "last CTA must reset it to 0 for the next launch (and every CUDA graph replay).")
