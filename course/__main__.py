@@ -1,6 +1,6 @@
 """The course command line: ``python -m course COMMAND``.
 
-Commands: status, check N, reset N, bench, model-bench, sanitize, notebooks, skeletons, diffs.
+Commands: status, check N, reset N, bench, model-bench, sanitize, sass N, notebooks, skeletons, diffs.
 
 Run ``python -m course COMMAND --help`` for what a command does and its options.
 """
@@ -77,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
     sanitize.add_argument("stage", type=stage_number, nargs="*", help="stage numbers (default: every ready stage)")
     sanitize.add_argument("--tool", action="append", choices=("memcheck", "racecheck", "synccheck"),
                           help="one tool (repeatable; default: all three)")
+    sanitize.add_argument("--jobs", type=int, default=4, help="sanitizer processes at a time (default: 4)")
+
+    sass = sub.add_parser("sass", help="the KV loops of a stage's cross-compiled kernel in SASS (no GPU needed)",
+                          description="Cross-compile a stage for sm_90a and print the SASS of its KV loops: "
+                                      "the WGMMAs, their waits and the softmax instructions between them.")
+    sass.add_argument("stage", type=stage_number)
+    sass.add_argument("--steps", type=int, default=None, help="stage 8: the kernel after this many of its steps")
 
     skeletons = sub.add_parser("skeletons", help="regenerate stages/ from the solutions' exercise regions",
                                description="Write every stage's skeleton to stages/. Refuses, writing nothing, when "
@@ -95,8 +102,8 @@ def parser() -> argparse.ArgumentParser:
                            help="folder for the executed copies (default: docs/notebooks-executed/)")
 
     sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)",
-                   description="Write docs/diffs/stageNN-stageMM.diff for every pair of consecutive prefill "
-                               "solutions (the stage pages include them).")
+                   description="Write docs/diffs/stageNN-stageMM.diff for every prefill solution against the one "
+                               "it starts from (the stage before it; stage 8: stage 6). The stage pages include them.")
     return top
 
 
@@ -159,7 +166,11 @@ def main(argv=None) -> int:
     if args.command == "sanitize":
         from course import sanitize as sanitize_mod
 
-        return sanitize_mod.main(args.stage, tuple(args.tool or sanitize_mod.TOOLS))
+        return sanitize_mod.main(args.stage, tuple(args.tool or sanitize_mod.TOOLS), args.jobs)
+    if args.command == "sass":
+        from course import sass as sass_mod
+
+        return sass_mod.main(args.stage, args.steps)
     if args.command == "skeletons":
         return run_skeletons(args.force)
     if args.command == "notebooks":

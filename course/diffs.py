@@ -1,13 +1,14 @@
 """The diff between consecutive solutions: the one idea a stage adds, as the docs show it.
 
-``python -m course diffs`` writes docs/diffs/stageNN-stageMM.diff for every pair
-of consecutive ready prefill stages; a test proves the committed files are
-current, so a page that includes one can never drift from the code.
+``python -m course diffs`` writes docs/diffs/stageNN-stageMM.diff for every ready
+prefill stage and the stage it starts from; a test proves the committed files
+are current, so a page that includes one can never drift from the code.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 
 from course.stages import ROOT, STAGES
 
@@ -15,17 +16,31 @@ DIFF_DIR = ROOT / "docs" / "diffs"
 
 
 def consecutive_pairs():
-    ready = [s for s in STAGES if s.ready and s.number <= 6]
-    return list(zip(ready, ready[1:]))
+    """(predecessor, stage) for every ready prefill stage after the first: the stage it starts from
+    (stage 8 starts from stage 6), else the prefill stage before it."""
+    prefill = [s for s in STAGES if s.ready and s.kind == "prefill"]
+    by_number = {s.number: s for s in prefill}
+    return [(by_number[after.starts_from] if after.starts_from else before, after)
+            for before, after in zip(prefill, prefill[1:])]
 
 
 def diff_path(before, after):
     return DIFF_DIR / f"stage{before.number:02d}-stage{after.number:02d}.diff"
 
 
+SNIPPET_MARKER = re.compile(r"^\s*# --8<-- \[(start|end):\w+\]\s*$")
+
+
+def code_lines(stage) -> list[str]:
+    """The solution's lines without the docs' snippet markers: each page marks what it includes, and
+    that bookkeeping is not part of what a stage changes."""
+    return [line for line in stage.path("solutions").read_text().splitlines(keepends=True)
+            if not SNIPPET_MARKER.match(line)]
+
+
 def solution_diff(before, after) -> str:
-    old = before.path("solutions").read_text().splitlines(keepends=True)
-    new = after.path("solutions").read_text().splitlines(keepends=True)
+    old = code_lines(before)
+    new = code_lines(after)
     return "".join(difflib.unified_diff(
         old, new, f"solutions/{before.module_name}.py", f"solutions/{after.module_name}.py", n=2,
     ))

@@ -8,9 +8,8 @@ a backward through them raises.
 
 Which code backs the ops is one setting, ``use_stages``:
 
-- ``prefill``: the prefill stage (``attention`` on [B, S, H, D]). The final
-  prefill kernel is stage 8 (FA3-class); until it lands, stage 6. When it
-  does, ``PREFILL_STAGE = 8`` below is the one line to change.
+- ``prefill``: the prefill stage (``attention`` on [B, S, H, D]); by default
+  the final prefill kernel, stage 8 (FA3-class).
 - ``decode``: the decode stage (``decode_attention``), stage 7.
 - ``impl``: ``"solutions"`` (the reference solutions), ``"stages"`` (your
   code), or ``"reference"``: course/reference.py in float64, after the
@@ -31,7 +30,7 @@ import torch
 
 from course import reference, stages, validation
 
-PREFILL_STAGE = 6  # the final prefill kernel; stage 8 (FA3-class prefill) takes over here once it lands
+PREFILL_STAGE = 8  # the final prefill kernel (FA3-class)
 DECODE_STAGE = 7
 IMPLS = (*stages.IMPLS, "reference")
 

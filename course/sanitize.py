@@ -61,20 +61,21 @@ class ToolResult:
 
 
 def classify(tool: str, output: str, returncode: int) -> ToolResult:
-    """Split compute-sanitizer's report into kernel findings and host API noise."""
+    """Split compute-sanitizer's report into kernel findings and host API noise.
+
+    Each finding starts with a line "========= <message>"; the lines under it
+    ("=========     at ...", backtraces) are indented further.
+    """
     result = ToolResult(tool, returncode)
-    for block in output.split("========= \n"):
-        lines = [line for line in block.splitlines() if line.startswith("=========")]
-        if not lines:
+    for line in output.splitlines():
+        if not line.startswith("========= ") or line[len("========= "):][:1].isspace():
             continue
-        head = lines[0]
-        host = _HOST_API.search(head)
+        message = line[len("========= "):].strip()
+        host = _HOST_API.search(message)
         if host:
             result.host_api_calls[host.group(1)] = result.host_api_calls.get(host.group(1), 0) + 1
-        elif any(word in head for word in ("Invalid", "Race reported", "Barrier error", "Hazard", "Error",
-                                            "Warning", "Misaligned", "Out of range")):
-            if "SUMMARY" not in head:
-                result.kernel_findings.append(head.removeprefix("=========").strip())
+        elif message and "SUMMARY" not in message and not message.startswith(("COMPUTE-SANITIZER", "Saved host")):
+            result.kernel_findings.append(message)
     summary = _SUMMARY.search(output)
     result.summary_count = int(summary.group(1)) if summary else None
     if summary is None and returncode != 0:
@@ -133,11 +134,16 @@ def launch_stage(number: int) -> None:
     print("LAUNCHES OK")
 
 
-def main(numbers=None, tools=TOOLS) -> int:
+def main(numbers=None, tools=TOOLS, jobs: int = 1) -> int:
+    """Run every (stage, tool) pair, ``jobs`` sanitizer processes at a time; one summary line per stage."""
+    from concurrent.futures import ThreadPoolExecutor
+
     numbers = numbers or [s.number for s in stages.STAGES if s.ready]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {(n, t): pool.submit(run_tool, n, t) for n in numbers for t in tools}
     all_clean = True
     for number in numbers:
-        results = [run_tool(number, tool) for tool in tools]
+        results = [futures[number, tool].result() for tool in tools]
         clean = all(r.clean for r in results)
         all_clean &= clean
         print(f"stage {number}: {'clean' if clean else 'FINDINGS'}; " + "; ".join(r.line() for r in results))

@@ -107,6 +107,10 @@ STAGES = [
           "one query token, paged KV cache, multi-block reduction", ready=True, kind="decode",
           bench_shapes=DECODE, cpu_numerics=("online_softmax_update", "split_partial", "arrive_and_elect_last",
                                              "fold_in_split", "finish_combine")),
+    Stage(8, "fa3_prefill", "FA3-class prefill",
+          "ping-pong warpgroups, softmax under the GEMMs, persistent tiles, TMA-store epilogue", ready=True,
+          bench_shapes=tuple(dict.fromkeys(FA3_REFERENCE + FA3_SWEEP)), starts_from=6,
+          cpu_numerics=("l2_group", "coords")),
 ]
 
 

@@ -46,7 +46,6 @@ MMA_WARPS = 8  # the two consumer warpgroups; each warp releases a buffer once
 PRODUCER_REGS, MMA_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 <= 64K registers
 
 
-# --8<-- [start:layouts]
 def acc_layout_as_rows_cols(acc_layout: cute.Layout) -> cute.Layout:
     """View a WGMMA accumulator fragment as (rows, cols) of this thread's values.
 
@@ -94,10 +93,8 @@ def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
             (split.stride[0][2][1], split.stride[2]),
         ),
     )
-# --8<-- [end:layouts]
 
 
-# --8<-- [start:gemm]
 @cute.jit
 def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
                    zero_init: cutlass.Constexpr = True):
@@ -115,10 +112,8 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
         cute.gemm(mma_atom, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
     warpgroup.commit_group()
     # [/exercise]
-# --8<-- [end:gemm]
 
 
-# --8<-- [start:mask]
 @cute.jit
 def mask_keys_beyond(acc_S: cute.Tensor, tScS: cute.Tensor, seqlen_k: cutlass.Int32):
     """Set scores of keys at or beyond S_k to -inf (TMA filled them with zeros).
@@ -133,7 +128,6 @@ def mask_keys_beyond(acc_S: cute.Tensor, tScS: cute.Tensor, seqlen_k: cutlass.In
         if coord[0, c][1] >= seqlen_k:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = -cutlass.Float32.inf
-# --8<-- [end:mask]
 
 
 # --8<-- [start:softmax]
@@ -175,7 +169,6 @@ def quad_allreduce(values: cute.Tensor, reduce):
 # --8<-- [end:softmax]
 
 
-# --8<-- [start:convert]
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
@@ -184,7 +177,6 @@ def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Te
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
     # [/exercise]
-# --8<-- [end:convert]
 
 
 # --8<-- [start:load_tile]
@@ -314,7 +306,6 @@ class Attention:
         mQ, mK, mO = bshd_as_rows_dim(mQ), bshd_as_rows_dim(mK), bshd_as_rows_dim(mO)
         mV = bshd_as_dim_rows(mV)
 
-        # --8<-- [start:mma]
         # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
@@ -325,7 +316,6 @@ class Attention:
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
             cutlass.Float32, (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
         )
-        # --8<-- [end:mma]
 
         # --8<-- [start:smem]
         one_stage = (None, None, 0)
@@ -348,7 +338,6 @@ class Attention:
         self.shared_storage = SharedStorage
         # --8<-- [end:smem]
 
-        # --8<-- [start:tma]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TILE_M, d))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage), (TILE_N, d))
@@ -357,12 +346,9 @@ class Attention:
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (TILE_M, d))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, one_stage))  # one K or V tile
-        # --8<-- [end:tma]
 
-        # --8<-- [start:grid]
         seqlen_q, num_heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
         grid = ((seqlen_q + TILE_M - 1) // TILE_M, num_heads_q, batch)
-        # --8<-- [end:grid]
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
             mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
@@ -399,10 +385,8 @@ class Attention:
         seqlen_k = mK.shape[0]
         n_blocks = (seqlen_k + TILE_N - 1) // TILE_N
 
-        # --8<-- [start:head_map]
         # GQA/MQA: a group of H_q / H_kv query heads shares one KV head.
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        # --8<-- [end:head_map]
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -521,7 +505,6 @@ class Attention:
             # --8<-- [end:epilogue]
 
 
-# --8<-- [start:api]
 KERNEL_CONFIGS = prefill.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
 
 
@@ -540,7 +523,6 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return prefill.attention(STAGE, Attention, q, k, v, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
                              return_lse=return_lse, out=out)
-# --8<-- [end:api]
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ MMA_WARPS = 8  # the two consumer warpgroups; each warp releases a buffer once
 PRODUCER_REGS, MMA_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 <= 64K registers
 
 
-# --8<-- [start:layouts]
 def acc_layout_as_rows_cols(acc_layout: cute.Layout) -> cute.Layout:
     """View a WGMMA accumulator fragment as (rows, cols) of this thread's values.
 
@@ -89,10 +88,8 @@ def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
             (split.stride[0][2][1], split.stride[2]),
         ),
     )
-# --8<-- [end:layouts]
 
 
-# --8<-- [start:gemm]
 @cute.jit
 def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
                    zero_init: cutlass.Constexpr = True):
@@ -110,10 +107,8 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
         cute.gemm(mma_atom, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
     warpgroup.commit_group()
     # [/exercise]
-# --8<-- [end:gemm]
 
 
-# --8<-- [start:mask]
 @cute.jit
 def mask_keys_beyond(acc_S: cute.Tensor, tScS: cute.Tensor, seqlen_k: cutlass.Int32):
     """Set scores of keys at or beyond S_k to -inf (TMA filled them with zeros).
@@ -128,7 +123,6 @@ def mask_keys_beyond(acc_S: cute.Tensor, tScS: cute.Tensor, seqlen_k: cutlass.In
         if coord[0, c][1] >= seqlen_k:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, c] = -cutlass.Float32.inf
-# --8<-- [end:mask]
 
 
 # --8<-- [start:softmax]
@@ -171,7 +165,6 @@ def quad_allreduce(values: cute.Tensor, reduce):
 # --8<-- [end:softmax]
 
 
-# --8<-- [start:convert]
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
@@ -180,10 +173,8 @@ def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Te
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
     # [/exercise]
-# --8<-- [end:convert]
 
 
-# --8<-- [start:load_tile]
 @cute.jit
 def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n_block: cutlass.Int32):
     """Producer step: wait for an empty buffer, then TMA KV tile ``n_block`` into it.
@@ -196,10 +187,8 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
     # [/exercise]
-# --8<-- [end:load_tile]
 
 
-# --8<-- [start:tile_scores]
 @cute.jit
 def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 pipeline_k, k_state, tScS: cute.Tensor, n_block: cutlass.Int32, seqlen_k: cutlass.Int32):
@@ -216,7 +205,6 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     # [/exercise]
     if (n_block + 1) * TILE_N > seqlen_k:  # only the last tile can hold keys beyond S_k
         mask_keys_beyond(acc_S, tScS, seqlen_k - n_block * TILE_N)
-# --8<-- [end:tile_scores]
 
 
 # --8<-- [start:passes]
@@ -242,7 +230,6 @@ def attend_kv_tiles(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
 # --8<-- [end:passes]
 
 
-# --8<-- [start:normalize]
 @cute.jit
 def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor):
     """O /= row sum (every row has at least one visible key until stage 4 adds masks)."""
@@ -251,7 +238,6 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor):
         inv_sum = cute.arch.rcp_approx(row_sum[r])
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] *= inv_sum
-# --8<-- [end:normalize]
 
 
 def bshd_as_rows_dim(t: cute.Tensor) -> cute.Tensor:
@@ -295,7 +281,6 @@ class Attention:
         mQ, mK, mO = bshd_as_rows_dim(mQ), bshd_as_rows_dim(mK), bshd_as_rows_dim(mO)
         mV = bshd_as_dim_rows(mV)
 
-        # --8<-- [start:mma]
         # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
@@ -306,9 +291,7 @@ class Attention:
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
             cutlass.Float32, (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
         )
-        # --8<-- [end:mma]
 
-        # --8<-- [start:smem]
         one_stage = (None, None, 0)
         sQ_layout = cute.slice_(
             sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
@@ -327,9 +310,7 @@ class Attention:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        # --8<-- [end:smem]
 
-        # --8<-- [start:tma]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TILE_M, d))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage), (TILE_N, d))
@@ -338,12 +319,9 @@ class Attention:
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (TILE_M, d))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, one_stage))  # one K or V tile
-        # --8<-- [end:tma]
 
-        # --8<-- [start:grid]
         seqlen_q, num_heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
         grid = ((seqlen_q + TILE_M - 1) // TILE_M, num_heads_q, batch)
-        # --8<-- [end:grid]
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
             mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
@@ -380,10 +358,8 @@ class Attention:
         seqlen_k = mK.shape[0]
         n_blocks = (seqlen_k + TILE_N - 1) // TILE_N
 
-        # --8<-- [start:head_map]
         # GQA/MQA: a group of H_q / H_kv query heads shares one KV head.
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        # --8<-- [end:head_map]
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -392,7 +368,6 @@ class Attention:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        # --8<-- [start:pipelines]
         # A "full" barrier per buffer completes when its TMA bytes have landed (one
         # producer arrival + tx bytes); an "empty" barrier when all MMA warps released it.
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
@@ -405,7 +380,6 @@ class Attention:
             num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
             tx_count=self.kv_bytes, barrier_storage=storage.v_bars.data_ptr(), defer_sync=True,
         )
-        # --8<-- [end:pipelines]
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
@@ -416,7 +390,6 @@ class Attention:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialized before anyone uses one
 
-        # --8<-- [start:tiles]
         # The last mode of gK / gV is the KV-tile index: the loops below select the
         # tile with their runtime loop variable (pinning it to 0 would load tile 0 forever).
         gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (m_block, 0))
@@ -426,7 +399,6 @@ class Attention:
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        # --8<-- [end:tiles]
 
         if warpgroup_idx == 0:
             # --8<-- [start:producer]
@@ -477,7 +449,6 @@ class Attention:
             normalize_rows(acc_O, row_sum)
             # --8<-- [end:consumer]
 
-            # --8<-- [start:epilogue]
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
             # The producer warpgroup is not part of this: a named barrier over the 256 MMA threads.
@@ -494,10 +465,8 @@ class Attention:
                     cute.copy(tma_o, bOsO, bOgO)
                     cute.arch.cp_async_bulk_commit_group()
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            # --8<-- [end:epilogue]
 
 
-# --8<-- [start:api]
 KERNEL_CONFIGS = prefill.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
 
 
@@ -516,7 +485,6 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return prefill.attention(STAGE, Attention, q, k, v, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
                              return_lse=return_lse, out=out)
-# --8<-- [end:api]
 
 
 if __name__ == "__main__":

@@ -220,7 +220,6 @@ class Attention:
         )
         # --8<-- [end:mma]
 
-        # --8<-- [start:smem]
         one_stage = (None, None, 0)
         sQ_layout = cute.slice_(
             sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
@@ -240,7 +239,6 @@ class Attention:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        # --8<-- [end:smem]
 
         # --8<-- [start:tma]
         g2s = cpasync.CopyBulkTensorTileG2SOp()

@@ -45,7 +45,6 @@ PRODUCER_REGS, MMA_REGS = 24, 240  # setmaxnreg: 128 * 24 + 256 * 240 <= 64K reg
 LOG2_E = math.log2(math.e)
 
 
-# --8<-- [start:layouts]
 def acc_layout_as_rows_cols(acc_layout: cute.Layout) -> cute.Layout:
     """View a WGMMA accumulator fragment as (rows, cols) of this thread's values.
 
@@ -93,10 +92,8 @@ def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
             (split.stride[0][2][1], split.stride[2]),
         ),
     )
-# --8<-- [end:layouts]
 
 
-# --8<-- [start:gemm]
 @cute.jit
 def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
                    zero_init: cutlass.Constexpr = True):
@@ -114,7 +111,6 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
         cute.gemm(mma_atom, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
     warpgroup.commit_group()
     # [/exercise]
-# --8<-- [end:gemm]
 
 
 # --8<-- [start:mask]
@@ -135,7 +131,6 @@ class WindowMask:
         self.has_left, self.has_right = config.has_left, config.has_right
         self.has_sink_tokens = config.has_sink_tokens
 
-    # --8<-- [start:block_range]
     @cute.jit
     def kv_block_range(self):
         """[n_block_min, n_block_max): the KV tiles with a visible key for some row of this tile."""
@@ -151,7 +146,6 @@ class WindowMask:
             n_block_min = cutlass.min(key_start // TILE_N, n_block_max)
         # [/exercise]
         return n_block_min, n_block_max
-    # --8<-- [end:block_range]
 
     # --8<-- [start:sink_tiles]
     @cute.jit
@@ -215,7 +209,6 @@ class WindowMask:
 # --8<-- [end:mask]
 
 
-# --8<-- [start:softmax]
 @cute.jit
 def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                    scale_log2: cutlass.Float32):
@@ -257,10 +250,8 @@ def quad_allreduce(values: cute.Tensor, reduce):
     """Combine each row statistic over the 4 threads of a quad (they hold the same rows)."""
     for r in cutlass.range_constexpr(cute.size(values)):
         values[r] = reduce(values[r], threads_in_group=4)
-# --8<-- [end:softmax]
 
 
-# --8<-- [start:convert]
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
@@ -269,10 +260,8 @@ def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Te
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
     # [/exercise]
-# --8<-- [end:convert]
 
 
-# --8<-- [start:load_tile]
 @cute.jit
 def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n_block: cutlass.Int32):
     """Producer step: wait for an empty buffer, then TMA KV tile ``n_block`` into it.
@@ -285,10 +274,8 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
     # [/exercise]
-# --8<-- [end:load_tile]
 
 
-# --8<-- [start:tile_scores]
 @cute.jit
 def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 pipeline_k, k_state, tScS: cute.Tensor, n_block: cutlass.Int32, mask: WindowMask):
@@ -308,7 +295,6 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     apply_mask = mask.apply
     if mask.tile_is_partial(n_block):
         apply_mask(acc_S, tScS, n_block)
-# --8<-- [end:tile_scores]
 
 
 # --8<-- [start:passes]
@@ -400,7 +386,6 @@ class Attention:
         mQ, mK, mO = bshd_as_rows_dim(mQ), bshd_as_rows_dim(mK), bshd_as_rows_dim(mO)
         mV = bshd_as_dim_rows(mV)
 
-        # --8<-- [start:mma]
         # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
@@ -411,9 +396,7 @@ class Attention:
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
             cutlass.Float32, (2, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
         )
-        # --8<-- [end:mma]
 
-        # --8<-- [start:smem]
         one_stage = (None, None, 0)
         sQ_layout = cute.slice_(
             sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), dtype, 1), one_stage
@@ -432,9 +415,7 @@ class Attention:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        # --8<-- [end:smem]
 
-        # --8<-- [start:tma]
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (TILE_M, d))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage), (TILE_N, d))
@@ -443,12 +424,9 @@ class Attention:
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (TILE_M, d))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, one_stage))  # one K or V tile
-        # --8<-- [end:tma]
 
-        # --8<-- [start:grid]
         seqlen_q, num_heads_q, batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
         grid = ((seqlen_q + TILE_M - 1) // TILE_M, num_heads_q, batch)
-        # --8<-- [end:grid]
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
             mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
@@ -491,10 +469,8 @@ class Attention:
         kv_block = mask.kv_block  # (a runtime `if` may not carry the mask object; its bound method is fine)
         # --8<-- [end:range]
 
-        # --8<-- [start:head_map]
         # GQA/MQA: a group of H_q / H_kv query heads shares one KV head.
         head_kv = head // (mQ.shape[2] // mK.shape[2])
-        # --8<-- [end:head_map]
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -503,7 +479,6 @@ class Attention:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        # --8<-- [start:pipelines]
         # A "full" barrier per buffer completes when its TMA bytes have landed (one
         # producer arrival + tx bytes); an "empty" barrier when all MMA warps released it.
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
@@ -516,7 +491,6 @@ class Attention:
             num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
             tx_count=self.kv_bytes, barrier_storage=storage.v_bars.data_ptr(), defer_sync=True,
         )
-        # --8<-- [end:pipelines]
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
@@ -527,7 +501,6 @@ class Attention:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialized before anyone uses one
 
-        # --8<-- [start:tiles]
         # The last mode of gK / gV is the KV-tile index: the loops below select the
         # tile with their runtime loop variable (pinning it to 0 would load tile 0 forever).
         gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (m_block, 0))
@@ -537,10 +510,8 @@ class Attention:
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        # --8<-- [end:tiles]
 
         if warpgroup_idx == 0:
-            # --8<-- [start:producer]
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 with cute.arch.elect_one():
@@ -557,7 +528,6 @@ class Attention:
                 # Wait until the consumers released the last buffers before the CTA may exit.
                 pipeline_k.producer_tail(k_state)
                 pipeline_v.producer_tail(v_state)
-            # --8<-- [end:producer]
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             mma_tidx = tidx - 128
@@ -592,7 +562,6 @@ class Attention:
             normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, self.config.has_sink_logits)
             # --8<-- [end:consumer]
 
-            # --8<-- [start:epilogue]
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
             # The producer warpgroup is not part of this: a named barrier over the 256 MMA threads.
@@ -609,10 +578,8 @@ class Attention:
                     cute.copy(tma_o, bOsO, bOgO)
                     cute.arch.cp_async_bulk_commit_group()
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            # --8<-- [end:epilogue]
 
 
-# --8<-- [start:api]
 KERNEL_CONFIGS = prefill.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
 
 
@@ -631,7 +598,6 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return prefill.attention(STAGE, Attention, q, k, v, softmax_scale=softmax_scale, causal=causal,
                              window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
                              return_lse=return_lse, out=out)
-# --8<-- [end:api]
 
 
 if __name__ == "__main__":

@@ -289,7 +289,6 @@ class SplitKVDecode:
         num_sink_tokens: Int32,
         stream,
     ):
-        # --8<-- [start:smem]
         work_words = work_bytes(self.head_dim, self.heads) // 4  # a local: the annotations below see locals
 
         @cute.struct
@@ -299,7 +298,6 @@ class SplitKVDecode:
             flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
-        # --8<-- [end:smem]
 
         # --8<-- [start:grid]
         batch, heads_q, heads_kv = mQ.shape[0], mQ.shape[1], mK.shape[2]
@@ -792,7 +790,6 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
 # --8<-- [end:api]
 
 
-# --8<-- [start:model]
 def split_kv_model(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                    window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=1):
     """The kernel's algorithm in PyTorch (float64, CPU-friendly): splits, partials, last-block combine.
@@ -845,7 +842,6 @@ def split_kv_model(q, k_cache, v_cache, cache_seqlens, *, block_table=None, soft
                 o[bi, h] = sum(wi * oi for wi, (oi, _) in zip(w, parts)) / total
                 lse_out[bi, h] = (float(big) + math.log2(float(total))) * LN_2
     return o, lse_out
-# --8<-- [end:model]
 
 
 if __name__ == "__main__":

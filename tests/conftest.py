@@ -39,11 +39,12 @@ def impl(request) -> str:
 @pytest.fixture
 def module_from_source(tmp_path):
     """Import source text as a module of its own (a file in tmp_path: the DSL reads kernels' source from files)."""
-    def load(name: str, source: str):
+    def load(name: str, source: str, package: str = "solutions"):
         path = tmp_path / f"{name}.py"
         path.write_text(source)
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        module.__package__ = package  # where its relative imports look (stage 8 imports stage 6's merge)
         sys.modules[name] = module  # dataclasses look their module up while the class is made
         spec.loader.exec_module(module)
         return module
@@ -54,5 +55,5 @@ def module_from_source(tmp_path):
 def generated_skeleton(module_from_source):
     """A stage's skeleton as the generator makes it: what a learner starts from, whatever stages/ holds now."""
     def load(stage: stages.Stage):
-        return module_from_source(f"generated_{stage.module_name}", skeleton.expected_skeleton(stage))
+        return module_from_source(f"generated_{stage.module_name}", skeleton.expected_skeleton(stage), "stages")
     return load

@@ -14,6 +14,8 @@ traced, ``host_stand_ins`` puts host code in their place that computes the same 
 - ``cute.arch.warp_reduction_max`` / ``_sum`` over a quad (``threads_in_group=4``):
   the thread's own value, because the softmax checks give each thread whole rows. A
   missing quad reduction is therefore invisible here; the GPU tests see it;
+- stage 8's tile scheduler reads ``block_idx`` before it knows whether the order is
+  linear; the linear order never uses it, so block (0, 0, 0) stands in;
 - for the decode kernel's last-CTA election, ``thread_idx`` (thread 0 of each CTA),
   ``sync_threads`` (one thread: nothing to wait for), ``atomic_add`` and ``store`` on
   the counter (plain loads and stores: the CTAs run one after another).
@@ -73,7 +75,7 @@ def _quad_of_one(value, *, threads_in_group=32, **_):
     return value
 
 
-def _thread_zero(**_):
+def _index_zero(**_):
     return Int32(0), Int32(0), Int32(0)
 
 
@@ -98,7 +100,7 @@ def _store(ptr, value, **_):
 STAND_INS = {
     "fmax": _max, "rcp_approx": _reciprocal,
     "warp_reduction_max": _quad_of_one, "warp_reduction_sum": _quad_of_one,
-    "thread_idx": _thread_zero, "sync_threads": _nothing_to_wait_for,
+    "thread_idx": _index_zero, "block_idx": _index_zero, "sync_threads": _nothing_to_wait_for,
     "atomic_add": _add_and_return_old, "store": _store,
 }
 
@@ -431,6 +433,27 @@ def elect_last(module: cutlass.Constexpr, counter: cute.Tensor, flag: cute.Tenso
             elected[launch, cta] = arrive_and_elect_last(counter.iterator, Int32(num_splits), flag)
 
 
+# ---------------------------------------------------------------- prefill: the tile scheduler (stage 8)
+
+@cute.jit
+def schedule_tiles(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, dtype_bytes: cutlass.Constexpr,
+                   longest_first: cutlass.Constexpr, l2_bytes: cutlass.Constexpr, tile_m: cutlass.Constexpr,
+                   seqlen_q: Int32, num_heads: Int32, num_batch: Int32, seqlen_k: Int32,
+                   coords: cute.Tensor, group: cute.Tensor):
+    """``coords`` [tiles, 3]: the (m_block, head, batch) of every linear tile index, as the persistent
+    scheduler of Step.PERSISTENT maps it; ``group`` [1]: its l2_group()."""
+    scheduler = module.TileScheduler(seqlen_q, num_heads, num_batch, seqlen_k, head_dim, dtype_bytes, True,
+                                     longest_first, l2_bytes, tile_m)
+    pairs = scheduler.l2_group()
+    group[0] = pairs
+    tile_coords = scheduler.coords  # (as in the kernel: a runtime loop may not carry the scheduler object)
+    for tile in cutlass.range(scheduler.num_tiles(), unroll=1):
+        m_block, head, batch = tile_coords(tile, pairs)
+        coords[tile, 0] = m_block
+        coords[tile, 1] = head
+        coords[tile, 2] = batch
+
+
 # ---------------------------------------------------------------- the checks the stage tests run
 
 def _tiles(n: int, size: int) -> int:
@@ -715,3 +738,58 @@ def check_elect_last(module, num_splits: int = 5, launches: int = 3) -> None:
     if counter.item() != 0:
         raise AssertionError(f"arrive_and_elect_last: the counter is {counter.item()} after {launches} launches; the "
                              "last CTA must reset it to 0 for the next launch (and every CUDA graph replay).")
+
+
+# ---------------------------------------------------------------- tile scheduler checks (stage 8)
+
+def expected_schedule(seqlen_q, num_heads, num_batch, seqlen_k, head_dim, dtype_bytes, longest_first, l2_bytes,
+                      tile_m, tile_n):
+    """The linear tile order in plain Python: (group, [(m_block, head, batch) per tile])."""
+    m_blocks, pairs, kv_blocks = _tiles(seqlen_q, tile_m), num_heads * num_batch, _tiles(seqlen_k, tile_n)
+    l2_kv_blocks = l2_bytes // (2 * tile_n * head_dim * dtype_bytes)
+    group = 1
+    while group * 2 <= pairs and group * 2 * kv_blocks <= l2_kv_blocks:
+        group *= 2
+    order = []
+    for first_pair in range(0, pairs, group):
+        here = list(range(first_pair, min(first_pair + group, pairs)))
+        m_order = range(m_blocks - 1, -1, -1) if longest_first else range(m_blocks)
+        order += [(m, pair % num_heads, pair // num_heads) for m in m_order for pair in here]
+    return group, order
+
+
+def check_schedule(module, *, seqlen_q: int, num_heads: int, num_batch: int, seqlen_k: int, head_dim: int,
+                   dtype_bytes: int, longest_first: bool, l2_bytes: int) -> None:
+    """TileScheduler.l2_group and coords: every (Q tile, head, batch) exactly once, in the grouped order."""
+    tile_m = 128  # two MMA warpgroups of 64 rows
+    group_ref, order_ref = expected_schedule(seqlen_q, num_heads, num_batch, seqlen_k, head_dim, dtype_bytes,
+                                             longest_first, l2_bytes, tile_m, module.TILE_N)
+    coords = torch.full((len(order_ref), 3), -1, dtype=torch.int32)
+    group = torch.full((1,), -1, dtype=torch.int32)
+    static = (module, head_dim, dtype_bytes, longest_first, l2_bytes, tile_m)
+    args = (seqlen_q, num_heads, num_batch, seqlen_k, coords, group)
+    compile_on_cpu(schedule_tiles, static, args)(*args)
+    where = (f"TileScheduler, {_tiles(seqlen_q, tile_m)} Q tiles x {num_heads} heads x {num_batch} batch, "
+             f"{_tiles(seqlen_k, module.TILE_N)} KV tiles of {head_dim}-wide {8 * dtype_bytes}-bit K and V, "
+             f"L2 budget {l2_bytes >> 20} MiB" + (", longest first" if longest_first else ""))
+    if group.item() != group_ref:
+        raise AssertionError(f"{where}: l2_group() is {group.item()}, expected {group_ref}: the largest power of two "
+                             "of (batch, head) pairs, at most all of them, whose K and V tiles all fit in l2_kv_blocks.")
+    got = [tuple(row) for row in coords.tolist()]
+    valid = set(order_ref)
+    outside = [(t, c) for t, c in enumerate(got) if c not in valid]
+    if outside:
+        tile, c = outside[0]
+        raise AssertionError(f"{where}: tile {tile} maps to (m_block, head, batch) = {c}, which is not a tile of this "
+                             f"problem ({len(outside)} such tiles). Check the ranges of m_block, head and batch.")
+    if len(set(got)) != len(got):
+        repeated = sorted({c for c in got if got.count(c) > 1})
+        raise AssertionError(f"{where}: {len(got) - len(set(got))} tiles are computed twice and as many never, "
+                             f"e.g. {repeated[0]} (a short last group of pairs: heads_here = min(group, pairs left)).")
+    for tile, (c, c_ref) in enumerate(zip(got, order_ref)):
+        if c != c_ref:
+            raise AssertionError(
+                f"{where}: tile {tile} is {c}, expected {c_ref}. Every tile is computed once, but not in the "
+                "grouped order: inside a group, all its pairs at one Q tile before the next Q tile"
+                + (" (the last Q tile first)" if longest_first else "") + ", groups one after another.")
+

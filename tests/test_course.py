@@ -341,3 +341,22 @@ def test_check_shows_a_trace_error_at_the_learners_line():
     assert f"stages/stage04_masking.py:{line}: for n_block in cutlass.range(n_block_min, n_block_max" in failure, failure
     assert "error[ARG_WRONG_TYPE]: Loop `stop` must be an integer type, not `Float32`" in failure, failure
     assert f"--> stages/stage04_masking.py:{line}" in failure, failure
+def test_sanitizer_report_separates_kernel_findings_from_host_api_noise():
+    from course import sanitize
+
+    output = """========= COMPUTE-SANITIZER
+========= Program hit CUDA_ERROR_INVALID_VALUE (error 1) due to "invalid argument" on CUDA API call to cuFuncGetAttribute.
+=========     Saved host backtrace up to driver entry point at error
+========= 
+========= Invalid __global__ read of size 16 bytes
+=========     at 0x1a30 in kernel_cutlass_x
+========= 
+========= ERROR SUMMARY: 2 errors
+LAUNCHES OK
+"""
+    result = sanitize.classify("memcheck", output, 1)
+    assert result.host_api_calls == {"cuFuncGetAttribute": 1}
+    assert result.kernel_findings == ["Invalid __global__ read of size 16 bytes"]
+    assert not result.clean and "1 kernel findings" in result.line()
+    clean = sanitize.classify("racecheck", "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", 0)
+    assert clean.clean and clean.summary_count == 0

@@ -9,6 +9,9 @@ import pytest
 
 from course import stages
 
+# stage 8's tile order: 60 (batch, head) pairs in groups of 32, so the last group is short
+SCHEDULE = dict(seqlen_q=1000, num_heads=20, num_batch=3, seqlen_k=777, head_dim=128, dtype_bytes=2, l2_bytes=50 << 20)
+
 # name: (stage, solution text, the bug in its place, a check that must fail)
 PLANTED = {
     "double-scaling": (
@@ -61,6 +64,16 @@ PLANTED = {
            "    safe_max = Float32(cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max))",
         "    new_max = cute.arch.fmax(state[0], lse)\n    safe_max = new_max",
         lambda m: cpu_numerics.check_combine(m, 0, 3, sink=False)),  # an empty sequence: every split empty
+    "last-group-of-heads-not-short": (
+        8, "heads_here = cutlass.min(group, self.num_pairs - section * group)", "heads_here = group",
+        lambda m: cpu_numerics.check_schedule(m, **SCHEDULE, longest_first=False)),
+    "group-ignores-l2": (
+        8, "while group * 2 <= self.num_pairs and group * 2 * self.kv_blocks <= self.l2_kv_blocks:",
+        "while group * 2 <= self.num_pairs:",
+        lambda m: cpu_numerics.check_schedule(m, **dict(SCHEDULE, l2_bytes=1 << 20), longest_first=False)),
+    "longest-first-forgotten": (
+        8, "m_block = self.num_m_blocks - 1 - m_rank", "m_block = m_rank",
+        lambda m: cpu_numerics.check_schedule(m, **SCHEDULE, longest_first=True)),
 }
 
 

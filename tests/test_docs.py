@@ -5,6 +5,7 @@ cross-compile, and GPU cells that print why they were skipped. On a Hopper GPU
 the same test runs every cell for real.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -117,14 +118,18 @@ def test_notebook_runs_top_to_bottom(path):
 
 
 def test_results_tables_are_generated(tmp_path):
-    """docs/results/results-tables.md and bench.md are exactly what `python -m course.results` writes from bench.json."""
+    """docs/results/results-tables.md, bench.md and stageNN.md are exactly what `python -m course.results` writes
+    from bench.json."""
+    import json
     import shutil
 
     from course import results
 
     shutil.copy(ROOT / "docs" / "results" / "bench.json", tmp_path / "bench.json")
     results.render(tmp_path)
-    for name in (results.TABLES, results.BENCH_MD):
+    names = [results.TABLES, results.BENCH_MD] + [results.stage_file(n) for n in results.measured_stages(
+        json.loads((tmp_path / "bench.json").read_text()))]
+    for name in names:
         committed = (ROOT / "docs" / "results" / name).read_text()
         assert committed == (tmp_path / name).read_text(), (
             f"docs/results/{name} is not what course.results renders from bench.json; "
@@ -387,3 +392,20 @@ def test_notebook_pages_render_executed_copies_when_present(tmp_path, monkeypatc
 
     assert rendered_from(NOTEBOOKS[0]) == str(tmp_path / NOTEBOOKS[0].name)
     assert rendered_from(NOTEBOOKS[1]) == str(NOTEBOOKS[1])  # no executed copy: the committed notebook
+
+
+@pytest.mark.parametrize("executed", sorted((ROOT / "docs" / "notebooks-executed").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_executed_copies_show_the_committed_notebooks(executed):
+    """The site shows an executed copy in place of its notebook, so its cells must be the notebook's, and ran clean."""
+    def sources(path):
+        return [("".join(c["source"]) if isinstance(c["source"], list) else c["source"])
+                for c in json.loads(path.read_text())["cells"]]
+
+    notebook = ROOT / "notebooks" / executed.name
+    assert notebook.exists(), f"{executed}: no notebooks/{executed.name}; delete the stale executed copy"
+    assert sources(executed) == sources(notebook), (
+        f"{executed} was executed from an older notebooks/{executed.name}: rerun `python -m course notebooks "
+        "--execute` on a Hopper GPU, or delete the copy so the site shows the notebook without outputs")
+    errors = [o["ename"] for c in json.loads(executed.read_text())["cells"] for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors, f"{executed} holds errors from its run: {errors}"

@@ -1,0 +1,118 @@
+"""``course sass``: what the tensor-core loops of a compiled kernel look like in SASS, without a GPU.
+
+A cross-compiled cubin (``course.compile.cross_compile(..., keep=True)``) is
+disassembled with ``cuobjdump -sass``. For every loop that issues HGMMA (the
+KV loops) this prints its length and instruction mix, and for every
+``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (``wgmma.wait_group 1``: wait for Q K^T,
+not for P V) how much of the softmax the compiler left before the following
+``wait_group 0``: the exponentials there run under the P V WGMMA, the ones
+after it do not. That is the number intra-warpgroup overlap is about.
+
+    python -m course sass 8              # stage 8, fp16, D = 128, no mask and causal
+    python -m course sass 8 --steps 2    # the kernel after step 2 of stage 8's ablation
+
+cuobjdump and nvdisasm come with the CUDA toolkit, or from the package index
+(``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``, in the dev extras).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)([^;]*);")
+
+
+def tool_dir() -> str | None:
+    """The folder of cuobjdump: on the PATH, else the nvidia-cuda-cuobjdump wheel's bin/ (with nvdisasm)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return str(Path(found).parent)
+    for entry in sys.path:
+        for candidate in Path(entry).glob("nvidia/cu*/bin/cuobjdump") if entry else ():
+            return str(candidate.parent)
+    return None
+
+
+def disassemble(cubin: Path) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction of the cubin."""
+    folder = tool_dir()
+    if folder is None:
+        raise SystemExit("cuobjdump not found: install the CUDA toolkit, or `pip install nvidia-cuda-cuobjdump "
+                         "nvidia-cuda-nvdisasm` (both are in this project's dev extras)")
+    env = dict(os.environ, PATH=folder + os.pathsep + os.environ.get("PATH", ""))
+    sass = subprocess.run([str(Path(folder) / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                          env=env, check=True).stdout
+    return [(int(address, 16), opcode, operands) for address, opcode, operands in _INSTRUCTION.findall(sass)]
+
+
+@dataclass
+class Overlap:
+    """Between a ``wait_group 1`` and the next ``wait_group 0``: what runs while P V is still on the tensor cores."""
+
+    exp2: int  # MUFU.EX2
+    max: int  # FMNMX
+    instructions: int
+
+
+def overlaps(code) -> list[Overlap]:
+    found, current = [], None
+    for _, opcode, operands in code:
+        if opcode == "WARPGROUP.DEPBAR.LE" and "0x1" in operands:
+            current = Overlap(0, 0, 0)
+        elif opcode == "WARPGROUP.DEPBAR.LE" and current is not None:
+            found.append(current)
+            current = None
+        elif current is not None:
+            current.instructions += 1
+            current.exp2 += opcode == "MUFU.EX2"
+            current.max += opcode == "FMNMX"
+    return found
+
+
+def hgmma_loops(code) -> list[tuple[int, collections.Counter]]:
+    """(first address, instruction counts) of every loop (a backward branch) whose body issues HGMMA."""
+    loops = []
+    for address, opcode, operands in code:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            body = collections.Counter(op for a, op, _ in code if start <= a <= address)
+            if any(op.startswith("HGMMA") for op in body) and not any(start < s <= address for s, _ in loops):
+                loops.append((start, body))
+    return loops
+
+
+def report(cubin: Path, title: str) -> str:
+    code = disassemble(cubin)
+    lines = [title]
+    for start, body in hgmma_loops(code):
+        top = ", ".join(f"{op} {n}" for op, n in body.most_common(8))
+        lines.append(f"  KV loop at {start:#06x}: {sum(body.values())} instructions; {top}")
+    for overlap in overlaps(code):
+        lines.append(f"  between wait_group 1 and wait_group 0: {overlap.instructions} instructions, "
+                     f"{overlap.exp2} MUFU.EX2, {overlap.max} FMNMX")
+    return "\n".join(lines)
+
+
+def main(number: int, steps: int | None = None) -> int:
+    from course import prefill, stages
+    from course.compile import cross_compile
+
+    module = stages.get(number).load("solutions")
+    kernel_class = module.Attention
+    if steps is not None:
+        kernel_class = list(module.ABLATION.values())[steps - 1]
+    for config in (prefill.KernelConfig("float16", 128), prefill.KernelConfig("float16", 128, has_right=True)):
+        compiled = cross_compile(kernel_class(config), *prefill.fake_arguments(config),
+                                 name=f"sass_stage{number:02d}_{config.name}", keep=True)
+        resources = f"{compiled.registers} registers, {compiled.spill_bytes} B spilled"
+        print(report(Path(compiled.artifacts["cubin"]), f"stage {number} {kernel_class.__name__} {config.name} "
+                     f"({resources})"))
+    return 0

@@ -1,0 +1,1142 @@
+"""Stage 8: FA3-class prefill.
+
+Compared with stage 6, this stage adds the scheduling that makes FlashAttention-3
+fast on Hopper, because stage 6 keeps the tensor cores busy only part of the
+time: each MMA warpgroup issues its two GEMMs, waits for them, and only then
+runs its softmax, and while it exponentiates (the MUFU unit does 16 exp2 per
+cycle per SM: a 128 x 128 tile of them takes about half as long as the tile's
+two GEMMs) its share of the tensor cores has nothing to do. Five steps, each
+a compile-time level (``Step``) so that the benchmark measures each one:
+
+1. Ping-pong (``Step.PINGPONG``): the two MMA warpgroups take turns at the
+   tensor cores through two named barriers, so one warpgroup's softmax runs
+   while the other's GEMMs run.
+2. Intra-warpgroup overlap (``Step.OVERLAP``): each iteration issues
+   S = Q K^T(j) and O += P V(j-1), waits for Q K^T(j) only
+   (``wait_group(1)``), and runs softmax(j) while P V(j-1) is still on the
+   tensor cores; P's registers are rewritten only after ``wait_group(0)``.
+   The producer loads V one tile behind K to match.
+3. The softmax tightened (``Step.SOFTMAX``): row maxima and sums over four
+   independent chains instead of one, and the first tile without a
+   correction; O is rescaled after the P V wait, outside the softmax.
+4. The epilogue (``Step.EPILOGUE``): each warpgroup writes its 64 rows of O to
+   a shared-memory buffer of its own with stmatrix, and one of its threads
+   stores them with TMA; nobody waits for the store until that buffer is
+   needed again, and the two warpgroups never wait for each other.
+5. Tile scheduling (``Step.PERSISTENT``): the (Q tile, head, batch) tiles in
+   one order that keeps the K and V of a group of heads in L2, the KV tiles of
+   each visited last first. Without a causal mask one CTA per SM loops over
+   its tiles, and the producer loads the next tile's K and Q while the
+   consumers finish; under a causal mask each tile is a CTA of its own,
+   longest first.
+
+Every feature of stage 6 is kept (masks with tile skipping, both kinds of
+sink, LSE, GQA, fp16/bf16, D = 64 and 128, any lengths), and
+``merge_attention_states`` is stage 6's, unchanged.
+
+Run it:
+    python -m course check 8 --impl solutions    # this stage's tests
+    python -m solutions.stage08_fa3_prefill      # one launch against the reference (needs a Hopper GPU)
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from course import launch, prefill
+
+from .stage06_lse import MERGE_CONFIGS, cross_compile_merge, merge_attention_states  # noqa: F401 (stage 6's merge)
+
+STAGE = 8
+TILE_N = 128  # keys per KV tile
+KV_STAGES = 2  # buffers in each of the K and V rings
+# MMA warpgroups (64 query rows each) by head dim. At D = 64 a tile's two GEMMs take half as long
+# as at D = 128 while its softmax takes as long, so one warpgroup's softmax outlasts the other's
+# GEMMs; FA3 and FA4 use a third warpgroup there (192-row tiles). With 512 threads ptxas has 128
+# registers per thread, and this kernel (persistent loop, masks, sinks) then spills: try 3 here.
+MMA_WARPGROUPS = {64: 2, 128: 2}
+# setmaxnreg per warpgroup count: 128 * producer + 128 * warpgroups * mma <= 64K registers.
+REGISTERS = {2: (24, 240), 3: (32, 160)}  # (producer, MMA)
+SCHEDULER_THREADS = 256  # a ping-pong barrier: the warpgroup that waits and the one that hands over
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+L2_BYTES = 50 * 1024 * 1024  # H100: the K and V of a group of heads stay in L2 while its Q tiles run
+
+
+# --8<-- [start:steps]
+class Step(IntEnum):
+    """The steps of this stage, in the order the docs page and the ablation add them."""
+
+    PINGPONG = 1
+    OVERLAP = 2
+    SOFTMAX = 3
+    EPILOGUE = 4
+    PERSISTENT = 5
+
+
+class NamedBarrier(IntEnum):
+    """Ids of the named barriers (bar.sync / bar.arrive); 0 is the CTA-wide barrier.
+
+    The K, V and Q pipelines synchronize on mbarriers, not on these.
+    """
+
+    EPILOGUE = 1       # all MMA threads around the shared O tile (before Step.EPILOGUE)
+    EPILOGUE_WG1 = 2   # MMA warpgroup 1 around its own O buffer (Step.EPILOGUE); + 1, + 2 for the others
+    SCHEDULER_WG1 = 5  # ping-pong: MMA warpgroup 1 may issue its GEMMs; + 1, + 2 for the others
+# --8<-- [end:steps]
+
+
+def acc_layout_as_rows_cols(acc_layout: cute.Layout) -> cute.Layout:
+    """View a WGMMA accumulator fragment as (rows, cols) of this thread's values.
+
+    A thread's fragment of an (M, N) accumulator has shape ((2, 2, N/8), MMA_M,
+    MMA_N): 2 adjacent columns, 2 rows 8 apart, N/8 column groups. Regrouping
+    the modes gives ((2, MMA_M), (2, N/8, MMA_N)) so that row r of the view is
+    one query row and its columns are that row's keys held by this thread.
+    """
+    col_major = cute.make_layout(acc_layout.shape)
+    rows_cols = cute.make_layout(
+        (
+            (col_major.shape[0][1], col_major.shape[1]),
+            (col_major.shape[0][0], col_major.shape[0][2], col_major.shape[2]),
+        ),
+        stride=(
+            (col_major.stride[0][1], col_major.stride[1]),
+            (col_major.stride[0][0], col_major.stride[0][2], col_major.stride[2]),
+        ),
+    )
+    return cute.composition(acc_layout, rows_cols)
+
+
+def rows_cols_view(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, acc_layout_as_rows_cols(t.layout))
+
+
+def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+    """Reinterpret the S accumulator fragment as the A-operand fragment of P V.
+
+    For 16-bit inputs the C fragment of S = Q K^T and the A fragment of
+    O = P V hold the same (row, key) pairs in the same thread: only the
+    grouping differs. ((2, 2, N/8), MMA_M, MMA_N) becomes ((2, 2, 2), MMA_M,
+    (N/16, MMA_N)): every 16 keys form one k-block of the second GEMM.
+    """
+    split = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        (
+            (split.shape[0][0], split.shape[0][1], split.shape[0][2][0]),
+            split.shape[1],
+            (split.shape[0][2][1], split.shape[2]),
+        ),
+        stride=(
+            (split.stride[0][0], split.stride[0][1], split.stride[0][2][0]),
+            split.stride[1],
+            (split.stride[0][2][1], split.stride[2]),
+        ),
+    )
+
+
+@cute.jit
+def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+                   zero_init: cutlass.Constexpr = True):
+    """acc = A B (or acc += A B without ``zero_init``), as one group of asynchronous WGMMAs.
+
+    With ``zero_init`` the first k-block runs with ACCUMULATE off, which
+    zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
+    before reading acc.
+    """
+    # [exercise 1] Issue the WGMMAs: fence, then one cute.gemm per k-block (mode 2 of tCrA/tCrB) on mma_atom, ACCUMULATE off for the first k-block only, then commit the group.
+    mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
+    warpgroup.fence()
+    for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init or k_block != 0)
+        cute.gemm(mma_atom, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
+    warpgroup.commit_group()
+    # [/exercise]
+
+
+class WindowMask:
+    """Which keys the rows of this CTA's Q tile may see (bottom-right aligned, docs/contract.md).
+
+    With offset = S_k - S_q, row i sees key j iff j < S_k and
+    i + offset - left <= j <= i + offset + right. An unbounded side (-1) is
+    compiled out through ``has_left`` / ``has_right``.
+    """
+
+    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, tile_m: int):
+        self.tile_m = tile_m  # query rows per tile (64 per MMA warpgroup)
+        self.row0 = m_block * tile_m
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.offset = seqlen_k - seqlen_q
+        self.left, self.right = left, right
+        self.num_sink_tokens = num_sink_tokens  # keys below it ignore the left bound
+        self.has_left, self.has_right = config.has_left, config.has_right
+        self.has_sink_tokens = config.has_sink_tokens
+
+    @cute.jit
+    def kv_block_range(self):
+        """[n_block_min, n_block_max): the KV tiles with a visible key for some row of this tile."""
+        # [exercise 4] n_block_max: tiles up to the last row's last visible key (right side, capped by S_k, >= 0); n_block_min: the tile of the first row's first visible key (left side, >= 0, <= n_block_max).
+        n_block_max = (self.seqlen_k + TILE_N - 1) // TILE_N
+        n_block_min = cutlass.Int32(0)
+        if cutlass.const_expr(self.has_right):
+            last_row = cutlass.min(self.row0 + self.tile_m, self.seqlen_q) - 1
+            key_end = cutlass.max(cutlass.min(last_row + self.offset + self.right + 1, self.seqlen_k), 0)
+            n_block_max = (key_end + TILE_N - 1) // TILE_N
+        if cutlass.const_expr(self.has_left):
+            key_start = cutlass.max(self.row0 + self.offset - self.left, 0)
+            n_block_min = cutlass.min(key_start // TILE_N, n_block_max)
+        # [/exercise]
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def sink_block_count(self, n_block_min: cutlass.Int32):
+        """How many tiles of sink tokens lie below the window's range (visited first)."""
+        count = cutlass.Int32(0)
+        if cutlass.const_expr(self.has_sink_tokens):
+            # [exercise 5] The tiles that hold keys < num_sink_tokens, but only those below n_block_min (the window's range already has the others).
+            count = cutlass.min((self.num_sink_tokens + TILE_N - 1) // TILE_N, n_block_min)
+            # [/exercise]
+        return count
+
+    # --8<-- [start:visit_order]
+    @cute.jit
+    def kv_block(self, i: cutlass.Int32, n_block_min: cutlass.Int32, n_block_max: cutlass.Int32):
+        """The KV tile of loop step ``i``: the window's range from its last tile down, then the sink tiles.
+
+        Stage 6 went the other way. Last first puts the tile that the diagonal
+        (causal) or S_k cuts into the first step, which is not overlapped anyway,
+        so that the overlapped loop that follows runs on full tiles.
+        """
+        n_window = n_block_max - n_block_min
+        n_block = n_block_max - 1 - i
+        if i >= n_window:
+            n_block = i - n_window
+        return n_block
+    # --8<-- [end:visit_order]
+
+    @cute.jit
+    def tile_is_partial(self, n_block: cutlass.Int32):
+        """Does KV tile ``n_block`` hold a masked key for some row? Full tiles skip the mask."""
+        partial = (n_block + 1) * TILE_N > self.seqlen_k
+        if cutlass.const_expr(self.has_right):
+            partial = partial | ((n_block + 1) * TILE_N - 1 > self.row0 + self.offset + self.right)
+        if cutlass.const_expr(self.has_left):
+            partial = partial | (n_block * TILE_N < self.row0 + self.tile_m - 1 + self.offset - self.left)
+        return partial
+
+    @cute.jit
+    def unmasked_steps(self, n_block_min: cutlass.Int32, n_block_max: cutlass.Int32):
+        """[first, end) of the loop steps whose KV tile needs no mask (tile_is_partial is False for all of them).
+
+        The loop visits the window's tiles from the last down: those cut by the
+        right bound or S_k, the full ones, those cut by the left bound; then the
+        sink tiles (masked). A loop over the full ones has no branch on the mask:
+        ptxas then keeps the softmax under the P V WGMMA (a branch between the two
+        waits makes it wait for both WGMMAs at the branch's end, and the overlap is gone).
+        """
+        lo = n_block_min
+        hi = cutlass.min(n_block_max, self.seqlen_k // TILE_N)
+        if cutlass.const_expr(self.has_right):
+            hi = cutlass.min(hi, cutlass.max(self.row0 + self.offset + self.right + 1, 0) // TILE_N)
+        if cutlass.const_expr(self.has_left):
+            first_key = cutlass.max(self.row0 + self.tile_m - 1 + self.offset - self.left, 0)  # the last row's
+            lo = cutlass.max(lo, (first_key + TILE_N - 1) // TILE_N)
+        lo = cutlass.min(lo, n_block_max)
+        hi = cutlass.max(hi, lo)
+        return n_block_max - hi, n_block_max - lo  # step i visits tile n_block_max - 1 - i
+
+    @cute.jit
+    def outside_left_bound(self, key: cutlass.Int32, key_start: cutlass.Int32):
+        """Is ``key`` left of its row's window? Sink tokens never are."""
+        outside = key < key_start
+        if cutlass.const_expr(self.has_sink_tokens):
+            # [exercise 5] Sink tokens (key < num_sink_tokens) are exempt from the left bound.
+            outside = outside & (key >= self.num_sink_tokens)
+            # [/exercise]
+        return outside
+
+    @cute.jit
+    def apply(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
+        """Set S to -inf outside each row's visible keys, from every register's (row, col)."""
+        s = rows_cols_view(acc_S)
+        coord = rows_cols_view(tScS)
+        key0 = n_block * TILE_N
+        # [exercise 4] For each row r (row = row0 + coord[r, 0][0]): key_end = S_k, or with a right bound min(S_k, row + offset + right + 1); with a left bound key_start = row + offset - left; then every s[r, c] whose key (key0 + coord[r, c][1]) is outside [key_start, key_end) becomes -inf.
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            row = self.row0 + coord[r, 0][0]
+            key_end = self.seqlen_k
+            if cutlass.const_expr(self.has_right):
+                key_end = cutlass.min(key_end, row + self.offset + self.right + 1)
+            key_start = row + self.offset - self.left
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                key = key0 + coord[r, c][1]
+                if key >= key_end:
+                    s[r, c] = -cutlass.Float32.inf
+                if cutlass.const_expr(self.has_left):
+                    if self.outside_left_bound(key, key_start):
+                        s[r, c] = -cutlass.Float32.inf
+        # [/exercise]
+
+
+@cute.jit
+def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                   scale_log2: cutlass.Float32):
+    """Fold one tile into the running statistics: S becomes P in place, and O and the
+    row sums are rescaled to the new row maxima.
+
+    ``row_max`` is quad-reduced (all 4 threads of a row agree on it);
+    ``row_sum`` holds this thread's columns only until the final reduction.
+    """
+    s = rows_cols_view(acc_S)
+    o = rows_cols_view(acc_O)
+    # [exercise 3] For each row r: the tile's row max (thread, then quad); new_max = max(row_max[r], it); correction = exp2((row_max[r] - new_max) * scale_log2); P = exp2(s * scale_log2 - new_max * scale_log2) in place; row_sum[r] = row_sum[r] * correction + sum of P; O[r, :] *= correction; row_max[r] = new_max.
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        tile_max = s[r, 0]
+        for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
+            tile_max = cute.arch.fmax(tile_max, s[r, c])
+        new_max = cute.arch.fmax(row_max[r], cute.arch.warp_reduction_max(tile_max, threads_in_group=4))
+        # A row that has seen no visible key yet has max -inf: exponentiate against 0
+        # instead, so masked scores give exp2(-inf) = 0 and never inf - inf = NaN.
+        ref_max = new_max
+        if new_max == -cutlass.Float32.inf:
+            ref_max = cutlass.Float32(0.0)
+        # Raw units in, one multiply by scale_log2: the max is never kept pre-scaled.
+        correction = cute.math.exp2((row_max[r] - ref_max) * scale_log2, fastmath=True)
+        max_scaled = ref_max * scale_log2
+        thread_sum = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - max_scaled, fastmath=True)
+            thread_sum += s[r, c]
+        row_sum[r] = row_sum[r] * correction + thread_sum
+        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+            o[r, c] *= correction
+        row_max[r] = new_max
+    # [/exercise]
+
+
+@cute.jit
+def quad_allreduce(values: cute.Tensor, reduce):
+    """Combine each row statistic over the 4 threads of a quad (they hold the same rows)."""
+    for r in cutlass.range_constexpr(cute.size(values)):
+        values[r] = reduce(values[r], threads_in_group=4)
+
+
+@cute.jit
+def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n_block: cutlass.Int32):
+    """Producer step: wait for an empty buffer, then TMA KV tile ``n_block`` into it.
+
+    The copy completes on the buffer's "full" barrier, which ``producer_acquire``
+    armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
+    """
+    # [exercise 2] producer_acquire(state); cute.copy tile n_block (mode 1 of tXgX) into buffer state.index (mode 1 of tXsX) with tma_bar_ptr=pipe.producer_get_barrier(state); producer_commit(state).
+    pipe.producer_acquire(state)
+    cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+    pipe.producer_commit(state)
+    # [/exercise]
+
+
+@cute.jit
+def mask_scores(acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32, mask: WindowMask):
+    """Invisible keys of KV tile ``n_block`` to -inf; only tiles that straddle a boundary pay for it."""
+    # (A runtime `if` may not carry a plain Python object such as `mask` across it; its bound method is fine.)
+    apply_mask = mask.apply
+    if mask.tile_is_partial(n_block):
+        apply_mask(acc_S, tScS, n_block)
+
+
+@cute.jit
+def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                pipeline_k, k_state, tScS: cute.Tensor, n_block: cutlass.Int32, mask: WindowMask):
+    """Consumer step: S = Q K_n^T for KV tile ``n_block``, invisible keys masked (the WGMMAs waited for)."""
+    pipeline_k.consumer_wait(k_state)
+    warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
+    warpgroup.wait_group(0)
+    pipeline_k.consumer_release(k_state)
+    mask_scores(acc_S, tScS, n_block, mask)
+
+
+# --8<-- [start:pingpong]
+@cute.jit
+def pingpong_start(mma_wg: cutlass.Int32):
+    """Let warpgroup 1 issue first: its scheduler barrier gets the other half of its arrivals in advance.
+
+    A scheduler barrier completes when SCHEDULER_THREADS = 256 threads have
+    arrived: the 128 of the warpgroup that waits (bar.sync) and 128 that
+    arrive for it (bar.arrive): the warpgroup before it in the turn order,
+    once its GEMMs are issued, or this call, once, at the start.
+    """
+    # [exercise 8] MMA warpgroup 0 arrives (barrier_arrive) on its own scheduler barrier, SCHEDULER_WG1, with SCHEDULER_THREADS threads.
+    if mma_wg == 0:
+        cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER_WG1), number_of_threads=SCHEDULER_THREADS)
+    # [/exercise]
+
+
+@cute.jit
+def pingpong_wait(mma_wg: cutlass.Int32):
+    """Block until it is this warpgroup's turn to issue GEMMs."""
+    # [exercise 8] bar.sync on this warpgroup's scheduler barrier (SCHEDULER_WG1 + mma_wg), SCHEDULER_THREADS threads.
+    cute.arch.barrier(barrier_id=int(NamedBarrier.SCHEDULER_WG1) + mma_wg, number_of_threads=SCHEDULER_THREADS)
+    # [/exercise]
+
+
+@cute.jit
+def pingpong_pass(mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr):
+    """This warpgroup's GEMMs are issued: hand the turn to the next warpgroup, without waiting."""
+    # [exercise 8] bar.arrive on the NEXT warpgroup's scheduler barrier (SCHEDULER_WG1 + (mma_wg + 1) % num_wgs), SCHEDULER_THREADS threads.
+    cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHEDULER_WG1) + (mma_wg + 1) % num_wgs,
+                             number_of_threads=SCHEDULER_THREADS)
+    # [/exercise]
+# --8<-- [end:pingpong]
+
+
+# --8<-- [start:pingpong_loop]
+@cute.jit
+def attend_kv_tiles_pingpong(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Tensor,
+                             acc_O: cute.Tensor, rP: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor,
+                             tSrK: cute.Tensor, tOrV: cute.Tensor, pipeline_q, q_state, pipeline_k, k_state,
+                             pipeline_v, v_state, tScS: cute.Tensor, n_tiles: cutlass.Int32,
+                             n_block_min: cutlass.Int32, n_block_max: cutlass.Int32, mask: WindowMask,
+                             row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: cutlass.Float32,
+                             mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr):
+    """Step 1: stage 6's loop with the ping-pong. Each warpgroup takes its turn for S = Q K^T, hands the
+    tensor cores over while it waits for S and runs the softmax, then takes its turn again for O += P V.
+
+    Returns the advanced K and V pipeline states: the DSL carries a state object
+    through the caller's runtime loop only if the caller rebinds it.
+    """
+    kv_block = mask.kv_block
+    pingpong_wait(mma_wg)
+    for i in cutlass.range(n_tiles, unroll=1):
+        n_block = kv_block(i, n_block_min, n_block_max)
+        pipeline_k.consumer_wait(k_state)
+        warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
+        pingpong_pass(mma_wg, num_wgs)
+        warpgroup.wait_group(0)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        mask_scores(acc_S, tScS, n_block, mask)
+        online_softmax(acc_S, acc_O, row_max, row_sum, scale_log2)
+        rP.store(acc_S.load().to(rP.element_type))
+        pipeline_v.consumer_wait(v_state)
+        pingpong_wait(mma_wg)
+        warpgroup_gemm(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+    pingpong_pass(mma_wg, num_wgs)
+    pipeline_q.consumer_release(q_state)  # every Q K^T of this tile is done: the producer may load the next Q
+    return k_state, v_state
+# --8<-- [end:pingpong_loop]
+
+
+# --8<-- [start:overlapped_step]
+@cute.jit
+def overlapped_step(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Tensor, acc_O: cute.Tensor,
+                    rP: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor, tOrV: cute.Tensor,
+                    pipeline_k, k_state, pipeline_v, v_state, tScS: cute.Tensor, n_block: cutlass.Int32, apply_mask,
+                    row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor, scale_log2: cutlass.Float32,
+                    mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr, tight: cutlass.Constexpr,
+                    masked: cutlass.Constexpr):
+    """One step of the overlapped loop: S(i) = Q K^T and O += P(i - 1) V(i - 1) on the tensor cores, softmax(i)
+    under the P V. ``masked`` steps apply the mask to every score (a select each, no branch). The caller
+    advances both pipeline states afterwards (a helper may not change the state objects)."""
+    acc_S = cute.make_rmem_tensor_like(acc_S, cutlass.Float32)  # a fresh S each step: nothing flows into the next Q K^T
+    # [exercise 8] Wait for K, wait for this warpgroup's turn (pingpong_wait), issue S = Q K^T on the K buffer, wait for V, issue O += P V (zero_init=False) on the V buffer, pass the turn (pingpong_pass); wait_group(1) (S ready), release K; with masked, apply_mask; softmax_step (first=False) into row_scale; wait_group(0) (P V done), release V; only then P = S (rP.store) and O *= row_scale (rescale_rows).
+    pipeline_k.consumer_wait(k_state)
+    pingpong_wait(mma_wg)
+    warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
+    pipeline_v.consumer_wait(v_state)
+    warpgroup_gemm(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
+    pingpong_pass(mma_wg, num_wgs)
+    warpgroup.wait_group(1)  # S(i) is ready; P V(i - 1) may still be running
+    pipeline_k.consumer_release(k_state)
+    if cutlass.const_expr(masked):
+        apply_mask(acc_S, tScS, n_block)
+    softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2, False, tight)
+    warpgroup.wait_group(0)  # P V(i - 1) is done: P and O are ours again
+    pipeline_v.consumer_release(v_state)
+    rP.store(acc_S.load().to(rP.element_type))
+    rescale_rows(acc_O, row_scale)
+    # [/exercise]
+# --8<-- [end:overlapped_step]
+
+
+# --8<-- [start:overlapped_loop]
+@cute.jit
+def attend_kv_tiles_overlapped(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Tensor,
+                               acc_O: cute.Tensor, rP: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor,
+                               tSrK: cute.Tensor, tOrV: cute.Tensor, pipeline_q, q_state, pipeline_k, k_state,
+                               pipeline_v, v_state, tScS: cute.Tensor, n_tiles: cutlass.Int32,
+                               n_block_min: cutlass.Int32, n_block_max: cutlass.Int32, mask: WindowMask,
+                               row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
+                               scale_log2: cutlass.Float32, mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr,
+                               tight: cutlass.Constexpr):
+    """Steps 2 and 3: softmax(j) runs while O += P V(j-1) is on the tensor cores.
+
+    P(j-1) stays in registers (``rP``) from one step to the next, as the A
+    operand of the P V WGMMA that is still running while softmax(j) works on
+    S(j) in ``acc_S``. The PTX rule that makes this correct: registers that an
+    in-flight WGMMA reads (P) or accumulates into (O) are not touched until a
+    ``wait_group`` covers that WGMMA. So the softmax returns O's correction in
+    ``row_scale`` instead of rescaling O, and P(j) is written over P(j-1) only
+    after ``wait_group(0)``. The steps whose tile needs a mask and those that
+    do not run in separate loops, so that the common ones have no branch.
+    Q is released as soon as its last Q K^T is done. Returns the advanced K and
+    V pipeline states (the caller rebinds them: see attend_kv_tiles_pingpong).
+    """
+    kv_block, apply_mask = mask.kv_block, mask.apply
+    masked_end, unmasked_end = mask.unmasked_steps(n_block_min, n_block_max)
+    if n_tiles > 0:  # the first tile: its scores and its P, no P V yet
+        tile_scores(qk_mma, acc_S, tSrQ, tSrK, pipeline_k, k_state, tScS, kv_block(0, n_block_min, n_block_max),
+                    mask)
+        k_state.advance()
+        softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2, tight, tight)
+        rP.store(acc_S.load().to(rP.element_type))
+    for i in cutlass.range(1, masked_end, unroll=1):  # tiles cut by the right bound or S_k
+        overlapped_step(qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_k, k_state, pipeline_v,
+                        v_state, tScS, kv_block(i, n_block_min, n_block_max), apply_mask, row_max, row_sum,
+                        row_scale, scale_log2, mma_wg, num_wgs, tight, True)
+        k_state.advance()
+        v_state.advance()
+    for i in cutlass.range(cutlass.max(masked_end, 1), unmasked_end, unroll=1):  # full tiles: no mask
+        overlapped_step(qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_k, k_state, pipeline_v,
+                        v_state, tScS, kv_block(i, n_block_min, n_block_max), apply_mask, row_max, row_sum,
+                        row_scale, scale_log2, mma_wg, num_wgs, tight, False)
+        k_state.advance()
+        v_state.advance()
+    for i in cutlass.range(cutlass.max(unmasked_end, 1), n_tiles, unroll=1):  # cut by the left bound; sink tiles
+        overlapped_step(qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_k, k_state, pipeline_v,
+                        v_state, tScS, kv_block(i, n_block_min, n_block_max), apply_mask, row_max, row_sum,
+                        row_scale, scale_log2, mma_wg, num_wgs, tight, True)
+        k_state.advance()
+        v_state.advance()
+    pipeline_q.consumer_release(q_state)  # every Q K^T of this tile is done: the producer may load the next Q
+    if n_tiles > 0:  # the last tile's P V
+        pipeline_v.consumer_wait(v_state)
+        warpgroup_gemm(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+    return k_state, v_state
+# --8<-- [end:overlapped_loop]
+
+
+# --8<-- [start:softmax_step]
+@cute.jit
+def row_max_of(s: cute.Tensor, r: cutlass.Constexpr, tight: cutlass.Constexpr) -> cutlass.Float32:
+    """This thread's maximum of row ``r``: one chain of fmax, or (tight) four independent chains."""
+    n = cute.size(s, mode=[1])
+    if cutlass.const_expr(tight):
+        chains = [s[r, c] for c in range(4)]
+        for c in cutlass.range_constexpr(4, n):
+            chains[c % 4] = cute.arch.fmax(chains[c % 4], s[r, c])
+        return cute.arch.fmax(cute.arch.fmax(chains[0], chains[1]), cute.arch.fmax(chains[2], chains[3]))
+    result = s[r, 0]
+    for c in cutlass.range_constexpr(1, n):
+        result = cute.arch.fmax(result, s[r, c])
+    return result
+
+
+@cute.jit
+def exponentiate_row(s: cute.Tensor, r: cutlass.Constexpr, scale_log2: cutlass.Float32,
+                     max_scaled: cutlass.Float32, tight: cutlass.Constexpr) -> cutlass.Float32:
+    """P = exp2(S * scale_log2 - max_scaled) in place (one FFMA, one MUFU.EX2 each); return this thread's sum."""
+    n = cute.size(s, mode=[1])
+    chains = [cutlass.Float32(0.0) for _ in range(4 if tight else 1)]
+    for c in cutlass.range_constexpr(n):
+        s[r, c] = cute.math.exp2(s[r, c] * scale_log2 - max_scaled, fastmath=True)
+        chains[c % len(chains)] = chains[c % len(chains)] + s[r, c]
+    total = chains[0]
+    for k in cutlass.range_constexpr(1, len(chains)):
+        total = total + chains[k]
+    return total
+
+
+@cute.jit
+def softmax_step(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
+                 scale_log2: cutlass.Float32, first: cutlass.Constexpr, tight: cutlass.Constexpr):
+    """Stage 6's online softmax without touching O: S becomes P in place, and ``row_scale[r]`` gets the
+    factor O must be multiplied by once the P V WGMMA that still reads the old O is done.
+
+    ``first`` (the first tile of a Q tile, with ``tight``): the running max is
+    -inf and the sum 0, so there is no correction to compute.
+    """
+    s = rows_cols_view(acc_S)
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        new_max = cute.arch.warp_reduction_max(row_max_of(s, r, tight), threads_in_group=4)
+        if cutlass.const_expr(not first):
+            new_max = cute.arch.fmax(row_max[r], new_max)
+        # A row that has seen no visible key yet has max -inf: exponentiate against 0 instead.
+        ref_max = new_max
+        if new_max == -cutlass.Float32.inf:
+            ref_max = cutlass.Float32(0.0)
+        thread_sum = exponentiate_row(s, r, scale_log2, ref_max * scale_log2, tight)
+        if cutlass.const_expr(first):
+            row_sum[r] = thread_sum
+        else:
+            row_scale[r] = cute.math.exp2((row_max[r] - ref_max) * scale_log2, fastmath=True)
+            row_sum[r] = row_sum[r] * row_scale[r] + thread_sum
+        row_max[r] = new_max
+
+
+@cute.jit
+def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
+    """O[r, :] *= row_scale[r]: the correction of the softmax step, applied after the P V wait."""
+    o = rows_cols_view(acc_O)
+    for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+            o[r, c] *= row_scale[r]
+# --8<-- [end:softmax_step]
+
+
+@cute.jit
+def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor, scale_log2: cutlass.Float32,
+                   sink_log2: cutlass.Float32, has_sink: cutlass.Constexpr, lse: cute.Tensor):
+    """O /= the softmax denominator; ``lse[r]`` gets the row's natural-log LSE.
+
+    In log2 units the denominator is 2^top * denominator, with top = max * scale_log2
+    (and the sink, when there is one, brought to the common reference
+    top = max(max * scale_log2, sink)). So LSE = (top + log2(denominator)) * ln 2,
+    which is -inf for a row with no visible key and no sink, and the sink logit
+    for a row with only the sink.
+    """
+    o = rows_cols_view(acc_O)
+    for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+        top = row_max[r] * scale_log2
+        rescale = cutlass.Float32(1.0)
+        denominator = row_sum[r]
+        if cutlass.const_expr(has_sink):
+            max_scaled = top
+            top = cute.arch.fmax(max_scaled, sink_log2)
+            # No visible key and a -inf sink: both terms are exp2(-inf) = 0 against 0, as the softmax
+            # does for a -inf max, never exp2(-inf - (-inf)) = NaN; the row is empty: O = 0, LSE = -inf.
+            if top == -cutlass.Float32.inf:
+                top = cutlass.Float32(0.0)
+            rescale = cute.math.exp2(max_scaled - top, fastmath=True)
+            denominator = row_sum[r] * rescale + cute.math.exp2(sink_log2 - top, fastmath=True)
+        inv_sum = rescale * cute.arch.rcp_approx(denominator)
+        if denominator == 0.0:
+            inv_sum = cutlass.Float32(0.0)
+        # [exercise 6] lse[r] = (top + log2(denominator)) * LN_2 (log2(0) = -inf gives -inf for an empty row).
+        lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2
+        # [/exercise]
+        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+            o[r, c] *= inv_sum
+
+
+@cute.jit
+def store_lse(lse: cute.Tensor, mLSE: cute.Tensor, tScS: cute.Tensor, row0: cutlass.Int32, seqlen_q: cutlass.Int32,
+              head: cutlass.Int32, batch: cutlass.Int32, mma_tidx: cutlass.Int32):
+    """Write every row's LSE to mLSE[batch, head, row]: each quad holds its rows 4 times, so its first thread writes."""
+    coord = rows_cols_view(tScS)
+    # [exercise 6] If mma_tidx is the first thread of its quad: for each row r, row = row0 + coord[r, 0][0]; if row < seqlen_q, mLSE[batch, head, row] = lse[r].
+    if mma_tidx % 4 == 0:
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = row0 + coord[r, 0][0]
+            if row < seqlen_q:
+                mLSE[batch, head, row] = lse[r]
+    # [/exercise]
+
+
+# --8<-- [start:scheduler]
+class TileScheduler:
+    """Which (Q tile, head, batch) tiles a CTA computes, and in which order.
+
+    Without Step.PERSISTENT every CTA computes one tile, its block index, on
+    stage 6's grid (Q tiles, heads, batch). With it the tiles follow one
+    linear order: the (batch, head) pairs in groups whose K and V fit in L2
+    together; inside a group, every pair at one Q tile before the next Q
+    tile, so the CTAs that run at the same time share K and V. Then:
+
+    * without a causal mask every tile costs the same, and the grid is one CTA
+      per SM: CTA i computes tiles i, i + grid, i + 2 grid, ..., so that the
+      producer loads the next tile while the consumers finish this one;
+    * under a causal mask the tiles cost what their rows see, the last Q tile
+      the most: one CTA per tile, the last Q tile first (longest processing
+      time first), and the GPU's block scheduler hands each free SM the next
+      one. A static round robin measured slower here: the CTAs that drew the
+      long tiles of every round finish last.
+    """
+
+    def __init__(self, seqlen_q, num_heads, num_batch, seqlen_k, head_dim: int, dtype_bytes: int,
+                 linear: bool, longest_first: bool, l2_bytes: int, tile_m: int):
+        self.num_m_blocks = (seqlen_q + tile_m - 1) // tile_m
+        self.num_heads, self.num_batch = num_heads, num_batch
+        self.num_pairs = num_heads * num_batch
+        self.kv_blocks = (seqlen_k + TILE_N - 1) // TILE_N
+        self.l2_kv_blocks = l2_bytes // (2 * TILE_N * head_dim * dtype_bytes)  # K and V tiles that fit in L2
+        self.linear, self.longest_first = linear, longest_first  # the linear order of Step.PERSISTENT
+        self.persistent = linear and not longest_first  # CTAs loop over tiles; else one CTA per tile
+
+    def num_tiles(self):
+        return self.num_m_blocks * self.num_pairs
+
+    def grid(self, num_sms: int):
+        if self.persistent:
+            return (cutlass.min(self.num_tiles(), num_sms), 1, 1)
+        if self.linear:
+            return (self.num_tiles(), 1, 1)
+        return (self.num_m_blocks, self.num_heads, self.num_batch)
+
+    @cute.jit
+    def l2_group(self) -> cutlass.Int32:
+        """How many (batch, head) pairs share one pass over the Q tiles: the largest power of two
+        whose K and V fit in L2 together (at least 1)."""
+        group = cutlass.Int32(1)
+        if cutlass.const_expr(self.linear):
+            # [exercise 8] Double group while 2 * group pairs exist and their 2 * group * kv_blocks K and V tiles fit in l2_kv_blocks.
+            while group * 2 <= self.num_pairs and group * 2 * self.kv_blocks <= self.l2_kv_blocks:
+                group = group * 2
+            # [/exercise]
+        return group
+
+    @cute.jit
+    def tile_range(self):
+        """(first, end, step) of this CTA's linear tile indices."""
+        first, end, step = cutlass.Int32(0), cutlass.Int32(1), cutlass.Int32(1)
+        if cutlass.const_expr(self.linear):
+            first = cute.arch.block_idx()[0]
+            end = first + 1
+        if cutlass.const_expr(self.persistent):
+            end = self.num_tiles()
+            step = cute.arch.grid_dim()[0]
+        return first, end, step
+
+    @cute.jit
+    def coords(self, tile: cutlass.Int32, group: cutlass.Int32):
+        """(m_block, head, batch) of linear tile index ``tile`` (the block index without Step.PERSISTENT)."""
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.linear):
+            # [exercise 8] The tile's group of pairs: section = tile // (group * num_m_blocks), with heads_here = min(group, num_pairs - section * group) pairs (the last one may be short); rank = its place in the section; Q tile = rank // heads_here (reversed with longest_first), pair = section * group + rank % heads_here; then batch and head of the pair.
+            section = tile // (group * self.num_m_blocks)
+            heads_here = cutlass.min(group, self.num_pairs - section * group)
+            rank = tile - section * group * self.num_m_blocks
+            m_rank = rank // heads_here
+            pair = section * group + rank - m_rank * heads_here
+            m_block = m_rank
+            if cutlass.const_expr(self.longest_first):
+                m_block = self.num_m_blocks - 1 - m_rank
+            batch = pair // self.num_heads
+            head = pair - batch * self.num_heads
+            # [/exercise]
+        return m_block, head, batch
+# --8<-- [end:scheduler]
+
+
+# --8<-- [start:epilogue]
+@cute.jit
+def store_o_tile(acc_O: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, gO: cute.Tensor,
+                 pv_mma: cute.TiledMma, mma_tidx: cutlass.Int32, dtype: cutlass.Constexpr, mma_threads: cutlass.Constexpr):
+    """Before Step.EPILOGUE, stage 6's epilogue: all MMA threads write the O tile to shared memory,
+    one thread stores it with TMA and waits until the store has read it."""
+    rO = cute.make_rmem_tensor_like(acc_O, dtype)
+    rO.store(acc_O.load().to(dtype))
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=mma_threads)  # the last store read sO
+    cute.autovec_copy(rO, pv_mma.get_slice(mma_tidx).partition_C(sO))
+    # Make the generic-proxy stores visible to the TMA (async proxy) before it reads them.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=int(NamedBarrier.EPILOGUE), number_of_threads=mma_threads)
+    bOsO, bOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                       cute.group_modes(gO, 0, 2))
+    if mma_tidx == 0:
+        cute.copy(tma_o, bOsO, bOgO)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def store_o_rows(acc_O: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, gO: cute.Tensor,
+                 pv_mma_wg: cute.TiledMma, mma_wg: cutlass.Int32, wg_tidx: cutlass.Int32, dtype: cutlass.Constexpr):
+    """Step.EPILOGUE: this warpgroup's 64 rows of O to its own buffer ``sO`` with stmatrix, then a TMA
+    store that nobody waits for here. Its thread 0 waits at the next call, before the buffer is
+    written again (and once at the end of the kernel), so the store overlaps the next tile."""
+    rO = cute.make_rmem_tensor_like(acc_O, dtype)
+    rO.store(acc_O.load().to(dtype))
+    barrier = int(NamedBarrier.EPILOGUE_WG1) + mma_wg  # this warpgroup only: the other one is half a turn away
+    if wg_tidx == 0:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store has read sO
+    cute.arch.barrier(barrier_id=barrier, number_of_threads=128)
+    # stmatrix: each instruction writes four 8x8 blocks of 16-bit values, one row of 16 bytes per lane.
+    store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, dtype, cutlass.Float32)
+    thr_store = cute.make_tiled_copy_C(store_atom, pv_mma_wg).get_slice(wg_tidx)
+    cute.copy(store_atom, thr_store.retile(rO), thr_store.partition_D(sO))
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=barrier, number_of_threads=128)
+    bOsO, bOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                       cute.group_modes(gO, 0, 2))
+    if wg_tidx == 0:
+        cute.copy(tma_o, bOsO, bOgO)
+        cute.arch.cp_async_bulk_commit_group()
+# --8<-- [end:epilogue]
+
+
+def bshd_as_rows_dim(t: cute.Tensor) -> cute.Tensor:
+    """[B, S, H, D] -> (S, D, H, B): rows and the contiguous K mode first, as TMA and WGMMA index them."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def bshd_as_dim_rows(t: cute.Tensor) -> cute.Tensor:
+    """[B, S, H, D] -> (D, S, H, B): V seen as the (N, K) = (D, S_k) B operand of P V."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[3, 1, 2, 0]))
+
+
+class Attention:
+    """Stage 6's kernel with FA3's scheduling: ``steps`` of this stage are on (all by default; the
+    ablation benchmark compiles subclasses with fewer)."""
+
+    steps = Step.PERSISTENT  # every step of this stage (Step is ordered: a level includes the ones before)
+    l2_bytes = L2_BYTES  # the K and V a group of heads may keep in L2 (Step.PERSISTENT)
+
+    def __init__(self, config: prefill.KernelConfig):
+        self.config = config  # what this kernel is compiled for: a feature that is off compiles out
+        self.dtype = config.cute_dtype
+        self.head_dim = config.head_dim
+        self.num_wgs = MMA_WARPGROUPS[config.head_dim]  # MMA warpgroups: 64 query rows each
+        self.tile_m = 64 * self.num_wgs
+        self.mma_threads = 128 * self.num_wgs
+        self.num_threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer; then the MMA warpgroups
+
+    # Every prefill stage has this signature, so one host function (course.prefill) compiles and
+    # launches them all; a stage ignores the arguments of features it does not have yet.
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        num_sink_tokens: cutlass.Int32,
+        stream,
+    ):
+        dtype, d = self.dtype, self.head_dim
+        mQ, mK, mO = bshd_as_rows_dim(mQ), bshd_as_rows_dim(mK), bshd_as_rows_dim(mO)
+        mV = bshd_as_dim_rows(mV)
+
+        # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
+            cutlass.Float32, (self.num_wgs, 1, 1), (64, TILE_N),
+        )
+        # O = P V: P from registers (K-major), V MN-major (head_dim contiguous).
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
+            cutlass.Float32, (self.num_wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
+        )
+        # One warpgroup's share of P V: how its threads hold their 64 rows of O (for the epilogue).
+        pv_mma_wg = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
+        )
+
+        one_stage = (None, None, 0)
+        sQ_layout = cute.slice_(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, TILE_N, d), dtype, 1), one_stage
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, TILE_N, d), dtype, KV_STAGES)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.tile_m, d, TILE_N), dtype, KV_STAGES)
+        # O gets buffers of its own, so that the producer may load the next tile's Q meanwhile:
+        # with Step.EPILOGUE one of 64 rows per warpgroup, else one for the whole tile.
+        o_rows, o_buffers = (64, self.num_wgs) if self.steps >= Step.EPILOGUE else (self.tile_m, 1)
+        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (o_rows, TILE_N, d), dtype, o_buffers)
+
+        @cute.struct
+        class SharedStorage:
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2]  # full + empty: Q is loaded once per tile
+            k_bars: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            v_bars: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage), (TILE_N, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, one_stage), (d, TILE_N))
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                                    cute.slice_(sO_layout, one_stage), (o_rows, d))
+        self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
+        self.kv_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, one_stage))  # one K or V tile
+
+        scheduler = self.scheduler(mQ, mK)
+        self.kernel(
+            qk_mma, pv_mma, pv_mma_wg, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+        ).launch(grid=scheduler.grid(launch.sm_count()), block=[self.num_threads, 1, 1], stream=stream)
+
+    def scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
+        return TileScheduler(mQ.shape[0], mQ.shape[2], mQ.shape[3], mK.shape[0], self.head_dim,
+                             self.dtype.width // 8, self.steps >= Step.PERSISTENT, self.config.has_right, self.l2_bytes,
+                             self.tile_m)
+
+    @cute.kernel
+    def kernel(
+        self,
+        qk_mma: cute.TiledMma,
+        pv_mma: cute.TiledMma,
+        pv_mma_wg: cute.TiledMma,
+        tma_q: cute.CopyAtom,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        mK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        mV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mSinks: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        window_left: cutlass.Int32,
+        window_right: cutlass.Int32,
+        num_sink_tokens: cutlass.Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+
+        # --8<-- [start:pipelines]
+        # A "full" barrier per buffer completes when its TMA bytes have landed (one producer
+        # arrival + tx bytes); an "empty" barrier when all MMA warps released it. Q has a
+        # pipeline of its own now: one buffer, refilled for every tile.
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32)  # a release per MMA warp
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=producer, consumer_group=consumers,
+            tx_count=self.q_bytes, barrier_storage=storage.q_bars.data_ptr(), defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
+            tx_count=self.kv_bytes, barrier_storage=storage.k_bars.data_ptr(), defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
+            tx_count=self.kv_bytes, barrier_storage=storage.v_bars.data_ptr(), defer_sync=True,
+        )
+        # --8<-- [end:pipelines]
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            cpasync.prefetch_descriptor(tma_o)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()  # every barrier is initialized before anyone uses one
+
+        scheduler = self.scheduler(mQ, mK)
+        if warpgroup_idx > 0:
+            cute.arch.setmaxregister_increase(REGISTERS[self.num_wgs][1])
+            self.mma(scheduler, qk_mma, pv_mma, pv_mma_wg, tma_o, mQ, mK, mO, mLSE, mSinks, sQ, sK, sV, sO,
+                     pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left, window_right, num_sink_tokens)
+        else:
+            cute.arch.setmaxregister_decrease(REGISTERS[self.num_wgs][0])
+            if warp_idx == 0:
+                self.load(scheduler, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipeline_q, pipeline_k,
+                          pipeline_v, window_left, window_right, num_sink_tokens)
+
+    # --8<-- [start:producer]
+    @cute.jit
+    def load(self, scheduler: TileScheduler, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom,
+             mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+             sV: cute.Tensor, pipeline_q, pipeline_k, pipeline_v, window_left: cutlass.Int32,
+             window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32):
+        """The producer warp: Q, K and V of every tile of this CTA, in the order the consumers use them."""
+        d = self.head_dim
+        one_cta = cute.make_layout(1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        group = scheduler.l2_group()
+        first, end, step = scheduler.tile_range()
+        coords = scheduler.coords  # (a runtime loop may not carry the scheduler object; its bound method is fine)
+        for tile in cutlass.range(first, end, step, unroll=1):
+            m_block, head, batch = coords(tile, group)
+            mask = WindowMask(m_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
+                              self.config, self.tile_m)
+            n_block_min, n_block_max = mask.kv_block_range()
+            n_sink_blocks = mask.sink_block_count(n_block_min)  # sink tiles below the window's range
+            n_tiles = n_sink_blocks + n_block_max - n_block_min  # producer and consumers walk the same tiles
+            kv_block = mask.kv_block
+            head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, n_blocks)
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (d, TILE_N), (0, None))  # (d, TILE_N, n_blocks)
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+            # K of the first tile, then Q: the K copy starts while the consumers still hold the last Q.
+            if n_tiles > 0:
+                load_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, kv_block(0, n_block_min, n_block_max))
+                k_state.advance()
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if cutlass.const_expr(self.steps >= Step.OVERLAP):
+                # V one tile behind K: the consumers use K(i) and V(i - 1) in the same iteration.
+                for i in cutlass.range(1, n_tiles, unroll=1):
+                    load_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, kv_block(i, n_block_min, n_block_max))
+                    k_state.advance()
+                    load_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(i - 1, n_block_min, n_block_max))
+                    v_state.advance()
+                if n_tiles > 0:
+                    load_tile(pipeline_v, v_state, tma_v, tVgV, tVsV,
+                              kv_block(n_tiles - 1, n_block_min, n_block_max))
+                    v_state.advance()
+            else:
+                for i in cutlass.range(n_tiles, unroll=1):
+                    if i > 0:
+                        load_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, kv_block(i, n_block_min, n_block_max))
+                        k_state.advance()
+                    load_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(i, n_block_min, n_block_max))
+                    v_state.advance()
+        # Wait until the consumers released the last buffers before the CTA may exit.
+        pipeline_q.producer_tail(q_state)
+        pipeline_k.producer_tail(k_state)
+        pipeline_v.producer_tail(v_state)
+    # --8<-- [end:producer]
+
+    # --8<-- [start:consumer]
+    @cute.jit
+    def mma(self, scheduler: TileScheduler, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, pv_mma_wg: cute.TiledMma,
+            tma_o: cute.CopyAtom, mQ: cute.Tensor, mK: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+            mSinks: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
+            pipeline_q, pipeline_k, pipeline_v, scale_log2: cutlass.Float32, window_left: cutlass.Int32,
+            window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32):
+        """An MMA warpgroup: 64 rows of every tile of this CTA."""
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        mma_tidx = tidx - 128
+        mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
+        wg_tidx = mma_tidx % 128
+        thr_qk = qk_mma.get_slice(mma_tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, N, K, KV_STAGES)
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, TILE_N)))
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, TILE_N)))
+        thr_pv = pv_mma.get_slice(mma_tidx)
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, N, K, KV_STAGES)
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, d)))
+        # P lives here from its softmax to its P V, which may be one iteration later (Step.OVERLAP).
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        tOrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
+        rows = cute.size(rows_cols_view(acc_S), mode=[0])
+        row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
+        row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
+        lse = cute.make_rmem_tensor(rows, cutlass.Float32)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+
+        pingpong_start(mma_wg)
+        group = scheduler.l2_group()
+        first, end, step = scheduler.tile_range()
+        coords = scheduler.coords  # (a runtime loop may not carry the scheduler object; its bound method is fine)
+        for tile in cutlass.range(first, end, step, unroll=1):
+            m_block, head, batch = coords(tile, group)
+            mask = WindowMask(m_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
+                              self.config, self.tile_m)
+            n_block_min, n_block_max = mask.kv_block_range()
+            n_sink_blocks = mask.sink_block_count(n_block_min)
+            n_tiles = n_sink_blocks + n_block_max - n_block_min
+            row_max.fill(-cutlass.Float32.inf)
+            row_sum.fill(0.0)
+            acc_O.fill(0.0)
+            pipeline_q.consumer_wait(q_state)
+            # The K and V states are rebound: a state that a helper advances is carried through
+            # this runtime loop only that way (a helper's changes to the object itself are lost).
+            if cutlass.const_expr(self.steps >= Step.OVERLAP):
+                k_state, v_state = attend_kv_tiles_overlapped(
+                    qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_q, q_state, pipeline_k,
+                    k_state, pipeline_v, v_state, tScS, n_tiles, n_block_min, n_block_max, mask, row_max, row_sum,
+                    row_scale, scale_log2, mma_wg, self.num_wgs, self.steps >= Step.SOFTMAX)
+            else:
+                k_state, v_state = attend_kv_tiles_pingpong(
+                    qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_q, q_state, pipeline_k,
+                    k_state, pipeline_v, v_state, tScS, n_tiles, n_block_min, n_block_max, mask, row_max, row_sum,
+                    scale_log2, mma_wg, self.num_wgs)
+            q_state.advance()
+
+            quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
+            sink_log2 = cutlass.Float32(0.0)
+            if cutlass.const_expr(self.config.has_sink_logits):
+                sink_log2 = mSinks[head] * LOG2_E  # natural-log units, never scaled by softmax_scale
+            normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, self.config.has_sink_logits, lse)
+            if cutlass.const_expr(self.config.has_lse):
+                store_lse(lse, mLSE, tScS, m_block * self.tile_m, mQ.shape[0], head, batch, mma_tidx)
+            if cutlass.const_expr(self.steps >= Step.EPILOGUE):
+                gO = cute.local_tile(mO[None, None, head, batch], (64, d), (m_block * self.num_wgs + mma_wg, 0))
+                store_o_rows(acc_O, sO[None, None, mma_wg], tma_o, gO, pv_mma_wg, mma_wg, wg_tidx, self.dtype)
+            else:
+                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+                store_o_tile(acc_O, sO[None, None, 0], tma_o, gO, pv_mma, mma_tidx, self.dtype, self.mma_threads)
+        if cutlass.const_expr(self.steps >= Step.EPILOGUE):
+            if wg_tidx == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last store has read sO before the CTA exits
+    # --8<-- [end:consumer]
+
+
+# --8<-- [start:ablation]
+def _after(step: Step) -> type:
+    return type(f"AttentionUpTo{step.name.title()}", (Attention,), {"steps": step})
+
+
+# The kernel after each step, in order: what the benchmark's ablation table times (stage 6 is the row before).
+ABLATION = {f"+{step.name.lower()}": _after(step) for step in Step}
+# --8<-- [end:ablation]
+
+
+KERNEL_CONFIGS = prefill.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
+
+
+def cross_compile_config(config: prefill.KernelConfig, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    return prefill.cross_compile_config(Attention, config, stage=STAGE, keep=keep)
+
+
+def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+              sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
+    """Attention over [B, S, H, D] fp16/bf16 CUDA tensors; the contract is docs/contract.md.
+
+    ``out`` (optional) receives O; tests pass a NaN-poisoned buffer to prove
+    every element is written. With ``return_lse`` returns (O, LSE [B, H_q, S_q] float32).
+    """
+    return prefill.attention(STAGE, Attention, q, k, v, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                             return_lse=return_lse, out=out)
+
+
+if __name__ == "__main__":
+    import torch
+
+    launch.demo(attention, seqlen_q=300, seqlen_k=1000, window_size=(128, 0), num_sink_tokens=4,
+                sink_logits=torch.linspace(-2, 2, 8, device="cuda"), return_lse=True)
