@@ -248,8 +248,8 @@ def merge(runs: list[dict]) -> dict:
         for key in ("ablation", "decode"):
             if run.get(key):
                 merged[key] = run[key]
-    shapes = list(dict.fromkeys(r["label"] for r in merged["rows"]))
-    merged["rows"].sort(key=lambda r: (shapes.index(r["label"]), r["stage"] is None, r["stage"] or 0))
+    shape_order = {label: i for i, label in enumerate(dict.fromkeys(r["label"] for r in merged["rows"]))}
+    merged["rows"].sort(key=lambda r: (shape_order[r["label"]], r["stage"] is None, r["stage"] or 0))
     return merged
 
 

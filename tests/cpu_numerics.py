@@ -524,6 +524,11 @@ SOFTMAX_PATHS = {
 }
 
 
+# Cases of the multi-tile softmax paths (stages 2 and 3), three tiles of keys each:
+# {id: (seqlen_k, logit_scale)}.
+MULTI_TILE_ROW_CASES = {"three-tiles": (96, 1.0), "keys-past-sk": (77, 1.0), "large-logits": (96, 30.0)}
+
+
 def check_attend_rows(module, *, n_tiles: int, seqlen_k: int, features: dict | None = None,
                       sink_logit: float | None = None, logit_scale: float = 1.0, seed: int = 0) -> None:
     """The stage's softmax path (attend_rows) on 16 query rows against reference.attention: O, and the LSE from stage 6.

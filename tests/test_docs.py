@@ -5,7 +5,6 @@ cross-compile, and GPU cells that print why they were skipped. On a Hopper GPU
 the same test runs every cell for real.
 """
 
-import json
 import os
 import re
 import subprocess
@@ -394,18 +393,16 @@ def test_notebook_pages_render_executed_copies_when_present(tmp_path, monkeypatc
     assert rendered_from(NOTEBOOKS[1]) == str(NOTEBOOKS[1])  # no executed copy: the committed notebook
 
 
-@pytest.mark.parametrize("executed", sorted((ROOT / "docs" / "notebooks-executed").glob("*.ipynb")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("executed", sorted(notebooks.EXECUTED_DIR.glob("*.ipynb")), ids=lambda p: p.stem)
 def test_executed_copies_show_the_committed_notebooks(executed):
     """The site shows an executed copy in place of its notebook, so its cells must be the notebook's, and ran clean."""
-    def sources(path):
-        return [("".join(c["source"]) if isinstance(c["source"], list) else c["source"])
-                for c in json.loads(path.read_text())["cells"]]
+    import nbformat
 
-    notebook = ROOT / "notebooks" / executed.name
+    notebook = notebooks.NOTEBOOK_DIR / executed.name
     assert notebook.exists(), f"{executed}: no notebooks/{executed.name}; delete the stale executed copy"
-    assert sources(executed) == sources(notebook), (
+    ran = nbformat.read(executed, as_version=4)
+    assert [c.source for c in ran.cells] == [c.source for c in nbformat.read(notebook, as_version=4).cells], (
         f"{executed} was executed from an older notebooks/{executed.name}: rerun `python -m course notebooks "
         "--execute` on a Hopper GPU, or delete the copy so the site shows the notebook without outputs")
-    errors = [o["ename"] for c in json.loads(executed.read_text())["cells"] for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [o.ename for c in ran.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{executed} holds errors from its run: {errors}"

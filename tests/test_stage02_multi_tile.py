@@ -24,12 +24,10 @@ def test_distinct_tiles_catch_a_pinned_tile_index():
     assert testing.compare_with_reference(tile_models.two_pass(q, k, v), q, k, v).ok
     assert not testing.compare_with_reference(tile_models.two_pass(q, k, v, bug="tile0"), q, k, v).ok
 
-ROW_CASES = {"three-tiles": (96, 1.0), "keys-past-sk": (77, 1.0), "large-logits": (96, 30.0)}
-
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("case", list(ROW_CASES))
+@pytest.mark.parametrize("case", list(cpu_numerics.MULTI_TILE_ROW_CASES))
 def test_on_cpu_update_row_max_and_exponentiate_rows(stage, case):
     """Your two passes on the CPU over 3 tiles of keys, each thread with whole rows, against the reference."""
-    seqlen_k, logit_scale = ROW_CASES[case]
+    seqlen_k, logit_scale = cpu_numerics.MULTI_TILE_ROW_CASES[case]
     cpu_numerics.check_attend_rows(stage, n_tiles=3, seqlen_k=seqlen_k, logit_scale=logit_scale)
