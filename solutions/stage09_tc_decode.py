@@ -257,16 +257,21 @@ def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_s
 # m16n8k16 gives thread (g, kq): of A (16 x 16), rows g and g + 8, columns 2kq, 2kq + 1, 2kq + 8, 2kq + 9;
 # of B (16 x 8), column g, rows 2kq, 2kq + 1, 2kq + 8, 2kq + 9; of C (16 x 8), rows g and g + 8,
 # columns 2kq and 2kq + 1.
-def load_slot_key(slot: int, g, kq):
-    """The key (0..15 in the warp's 16 of an iteration) that a thread's load slot holds.
+def v_slot_key(slot: int, kq):
+    """The key (0..15 of the warp's 16) that value ``slot`` of a thread's V fragment holds: P V's B
+    operand rows 2kq, 2kq + 1, 8 + 2kq, 8 + 2kq + 1 (P's columns in this thread)."""
+    return 8 * (slot // 2) + 2 * kq + slot % 2
 
-    Slots 0, 1: K rows for S = Q K^T, where K's keys are the B operand's columns: key 8 * slot + g.
-    Slots 2..5: V rows for O = P V, where the keys are the B operand's rows: keys 2kq, 2kq + 1
-    of the first and of the second 8.
+
+def swizzle(row, chunks: int):
+    """Where 16-byte chunk c of tile row ``row`` lives: chunk c ^ swizzle(row).
+
+    The fragments read 8 lanes at a time (one shared-memory wavefront of 128
+    bytes): K reads rows g, g + 1 at chunks 4p + kq; V reads rows 2kq (+ 1)
+    at chunk 8p + g. Bit 2 of the XOR separates rows 2i and 2i + 1, bits 1-2
+    separate rows 0, 2, 4, 6: every wavefront hits 8 different bank groups.
     """
-    if slot < 2:
-        return 8 * slot + g
-    return 8 * ((slot - 2) // 2) + 2 * kq + (slot - 2) % 2
+    return (((row & 1) << 2) ^ (((row >> 1) & 3) << 1)) & (chunks - 1)
 
 
 def score_key(value: int, kq):
@@ -353,6 +358,11 @@ class TensorCoreDecode:
         self.v_elems = v_piece(config.cache_dtype, config.head_dim)
         self.k_pieces = config.head_dim // 4 // self.k_elems  # a thread holds D / 4 of a K row
         self.v_pieces = config.head_dim // 8 // self.v_elems  # and D / 8 of a V row
+        # The warp copies its 16 K (and V) rows as 16-byte chunks, a row's chunks on consecutive lanes:
+        # every copy instruction reads whole rows, 512 contiguous-per-row bytes.
+        self.chunks = config.head_dim // self.k_elems        # 16-byte chunks per row
+        self.rows_per_copy = 32 // self.chunks               # rows one copy instruction covers
+        self.copies = KEYS_PER_WARP // self.rows_per_copy    # copy instructions per 16 rows
 
     @cute.jit
     def __call__(
@@ -407,17 +417,17 @@ class TensorCoreDecode:
 
     @cute.jit
     def lookup_pages(self, r_page: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, first: Int32,
-                     v_end: Int32, n_sink: Int32, lo: Int32, g: Int32, kq: Int32):
-        """Paged cache: ``r_page[slot]``, the pool page that holds the key of each load slot, from the block table.
+                     v_end: Int32, n_sink: Int32, lo: Int32, lane: Int32):
+        """Paged cache: ``r_page[i]``, the pool page of the row this lane copies in copy ``i``.
 
         The main loop calls it one iteration before the copies that need the
         pages, so the block-table load is in flight during a whole iteration.
         ``first``: the warp's first key of that iteration. Contiguous: nothing.
         """
         if cutlass.const_expr(self.page_size != 0):
-            for slot in cutlass.range_constexpr(6):
-                row = self.cache_row(first + load_slot_key(slot, g, kq), v_end, n_sink, lo)
-                r_page[slot] = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
+            for i in cutlass.range_constexpr(self.copies):
+                row = self.cache_row(first + i * self.rows_per_copy + lane // self.chunks, v_end, n_sink, lo)
+                r_page[i] = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
 
     @cute.jit
     def kv_row(self, mKV: cute.Tensor, page_or_batch: Int32, row: Int32, head_kv: Int32) -> cute.Tensor:
@@ -430,36 +440,30 @@ class TensorCoreDecode:
 
     # --8<-- [start:issue_loads]
     @cute.jit
-    def issue_loads(self, sK: cute.Tensor, sV: cute.Tensor, stage: Int32, mK: cute.Tensor, mV: cute.Tensor,
+    def issue_loads(self, sK: cute.Tensor, sV: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                     r_page: cute.Tensor, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
-                    n_sink: Int32, lo: Int32, tidx: Int32, g: Int32, kq: Int32):
-        """Start the cp.async copies of the warp's 16 keys from visible key ``first`` into ring ``stage``.
+                    n_sink: Int32, lo: Int32, lane: Int32):
+        """Start the cp.async copies of the warp's 16 keys from visible key ``first`` into its tiles
+        ``sK``, ``sV`` [16 rows, chunks, 16 bytes] of one ring stage.
 
-        A thread copies exactly what its fragments hold: of the 2 K rows of its
-        slots 0, 1 the pieces kq, kq + 4, ... (D / 4 elements: the columns its
-        B operand of S = Q K^T takes, in an order Q follows); of the 4 V rows of
-        slots 2..5 the pieces g, g + 8, ... (D / 8 elements: its B operand's
-        column of P V). Past the split's end it re-reads the split's last key.
+        Lane l copies chunk l % chunks of rows l // chunks, + rows_per_copy, ...:
+        each instruction reads whole rows of K (and V), as stage 7's copies do.
+        (Letting each lane copy only what its own fragments hold would read a K
+        row 64 bytes per instruction, and L2 serves half-lines at half speed.)
+        Past the split's end a lane re-reads the split's last key.
         """
-        k_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
-                                     num_bits_per_copy=self.k_elems * self.cache_dtype.width)
-        v_bits = self.v_elems * self.cache_dtype.width  # 64 for an fp8 cache at D = 64: L2-only copies take 128
-        v_atom = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL if v_bits == 128 else LoadCacheMode.ALWAYS),
-            self.cache_dtype, num_bits_per_copy=v_bits)
-        for slot in cutlass.range_constexpr(6):
-            row = self.cache_row(first + load_slot_key(slot, g, kq), v_end, n_sink, lo)
-            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else r_page[slot]
-            if cutlass.const_expr(slot < 2):
-                k_row = self.kv_row(mK, page_or_batch, row, head_kv)
-                for p in cutlass.range_constexpr(self.k_pieces):
-                    cute.copy(k_atom, cute.local_tile(k_row, (self.k_elems,), (4 * p + kq,)),
-                              sK[stage, slot, p, tidx, None])
-            else:
-                v_row = self.kv_row(mV, page_or_batch, row, head_kv)
-                for p in cutlass.range_constexpr(self.v_pieces):
-                    cute.copy(v_atom, cute.local_tile(v_row, (self.v_elems,), (8 * p + g,)),
-                              sV[stage, slot - 2, p, tidx, None])
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
+                                   num_bits_per_copy=128)
+        chunk = lane % self.chunks
+        for i in cutlass.range_constexpr(self.copies):
+            tile_row = i * self.rows_per_copy + lane // self.chunks
+            row = self.cache_row(first + tile_row, v_end, n_sink, lo)
+            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else r_page[i]
+            at = swizzle(tile_row, self.chunks) ^ chunk
+            cute.copy(atom, cute.local_tile(self.kv_row(mK, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
+                      sK[tile_row, at, None])
+            cute.copy(atom, cute.local_tile(self.kv_row(mV, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
+                      sV[tile_row, at, None])
     # --8<-- [end:issue_loads]
 
     # --8<-- [start:to_registers]
@@ -475,38 +479,44 @@ class TensorCoreDecode:
         return converted
 
     @cute.jit
-    def k_fragment(self, pieces: cute.Tensor, r_k: cute.Tensor, tidx: Int32):
-        """The B operand of S = Q K^T from this thread's K pieces of one ring stage.
+    def k_fragment(self, sK: cute.Tensor, r_k: cute.Tensor, g: Int32, kq: Int32):
+        """The B operand of S = Q K^T from the warp's K tile [16 rows, chunks, 16 bytes] of one stage.
 
         ``r_k`` ((2, 2), 2 key blocks, D / 16 column blocks), in the MMA's value
         order: value v of block kb is the column 2kq + v % 2 + 8 (v // 2) of the
-        block. Piece p's element e is the thread's column 4 kb + e % 4 with
-        kb = p * E / 4 + e // 4: Q's fragment takes the same columns, so the dot
+        block, of key 8j + g. The thread takes chunks kq, kq + 4, ... of that row:
+        element e of its p-th chunk is its column 4 kb + e % 4 with
+        kb = p * E / 4 + e // 4. Q's fragment takes the same columns, so the dot
         products are complete (they visit D in another order).
         """
-        elems = cute.size(pieces, mode=[3])
-        for j in cutlass.range_constexpr(cute.size(pieces, mode=[0])):
-            for p in cutlass.range_constexpr(cute.size(pieces, mode=[1])):
-                piece = self.piece_to_registers(pieces[j, p, tidx, None])
+        elems = self.k_elems
+        for j in cutlass.range_constexpr(2):
+            row = 8 * j + g
+            for p in cutlass.range_constexpr(self.k_pieces):
+                piece = self.piece_to_registers(sK[row, swizzle(row, self.chunks) ^ (4 * p + kq), None])
                 for e in cutlass.range_constexpr(elems):
                     # [exercise 9] Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8).
                     r_k[e % 4 + 4 * j + 8 * (p * (elems // 4) + e // 4)] = piece[e]
                     # [/exercise]
 
     @cute.jit
-    def v_fragment(self, pieces: cute.Tensor, r_v: cute.Tensor, tidx: Int32):
-        """The B operand of O = P V from this thread's V pieces of one ring stage.
+    def v_fragment(self, sV: cute.Tensor, r_v: cute.Tensor, g: Int32, kq: Int32):
+        """The B operand of O = P V from the warp's V tile of one stage.
 
-        ``r_v`` ((2, 2), D / 8 column blocks, 1): value v is the key of load slot
-        2 + v (keys 2kq, 2kq + 1, 8 + 2kq, 8 + 2kq + 1: P's columns in this
-        thread), in column g of block nb; piece p's element e is block
-        p * EV + e. Each 32-bit register pairs two keys: the packing is where
-        ldmatrix.trans would otherwise transpose V.
+        ``r_v`` ((2, 2), D / 8 column blocks, 1): value v holds key
+        ``v_slot_key(v, kq)`` (P's columns in this thread), in column g of block
+        nb: the thread reads EV elements of each of those 4 rows at
+        (8p + g) * EV, and element e of piece p is block p * EV + e. Each 32-bit
+        register pairs two keys: the packing is where ldmatrix.trans would
+        otherwise transpose V.
         """
-        elems = cute.size(pieces, mode=[3])
+        elems = self.v_elems
         for slot in cutlass.range_constexpr(4):
-            for p in cutlass.range_constexpr(cute.size(pieces, mode=[1])):
-                piece = self.piece_to_registers(pieces[slot, p, tidx, None])
+            row = v_slot_key(slot, kq)
+            for p in cutlass.range_constexpr(self.v_pieces):
+                start = (8 * p + g) * elems  # the piece's first element in the row
+                chunk = sV[row, swizzle(row, self.chunks) ^ (start // self.k_elems), None]
+                piece = self.piece_to_registers(cute.local_tile(chunk, (elems,), ((start % self.k_elems) // elems,)))
                 for e in cutlass.range_constexpr(elems):
                     # [exercise 9] Value slot of column block p * elems + e (r_v is compact: strides 1, 4).
                     r_v[slot + 4 * (p * elems + e)] = piece[e]
@@ -557,14 +567,12 @@ class TensorCoreDecode:
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        # [stage, slot, piece, thread, elements]: each thread's own slots, 16 bytes (or 8) each.
-        sK = storage.work.get_tensor(
-            cute.make_ordered_layout((STAGES, 2, self.k_pieces, NUM_THREADS, self.k_elems), order=(4, 3, 2, 1, 0)),
-            dtype=self.cache_dtype)
-        k_ring_words = STAGES * 2 * NUM_THREADS * (d // 4) * self.cache_dtype.width // 32
-        sV = cute.make_tensor(
-            cute.recast_ptr(storage.work.data_ptr() + k_ring_words, dtype=self.cache_dtype),
-            cute.make_ordered_layout((STAGES, 4, self.v_pieces, NUM_THREADS, self.v_elems), order=(4, 3, 2, 1, 0)))
+        # [stage, warp, row, chunk, 16 bytes]: each warp's K and V tiles of 16 rows per stage.
+        ring = cute.make_ordered_layout((STAGES, NUM_WARPS, KEYS_PER_WARP, self.chunks, self.k_elems),
+                                        order=(4, 3, 2, 1, 0))
+        sK = storage.work.get_tensor(ring, dtype=self.cache_dtype)
+        k_ring_words = STAGES * KEYS_PER_ITERATION * d * self.cache_dtype.width // 32
+        sV = cute.make_tensor(cute.recast_ptr(storage.work.data_ptr() + k_ring_words, dtype=self.cache_dtype), ring)
         # After the main loop the ring is free: the merge reuses its bytes.
         work = storage.work.data_ptr()
         s_max = cute.make_tensor(work, cute.make_layout((NUM_WARPS, ROWS), stride=(ROWS, 1)))
@@ -628,30 +636,35 @@ class TensorCoreDecode:
         acc_o.fill(0.0)
         # Paged cache: row st < STAGES - 1 holds the pages of prologue iteration st's copies, the last
         # row those of the next copies the loop issues.
-        r_pages = cute.make_rmem_tensor(cute.make_ordered_layout((STAGES, 6), order=(1, 0)), Int32)
+        r_pages = cute.make_rmem_tensor(cute.make_ordered_layout((STAGES, self.copies), order=(1, 0)), Int32)
         issue_loads, lookup_pages = self.issue_loads, self.lookup_pages
         warp_first = v_begin + warp_idx * KEYS_PER_WARP  # the warp's first key of iteration 0
+        sK_warp, sV_warp = sK[None, warp_idx, None, None, None], sV[None, warp_idx, None, None, None]
         for st in cutlass.range_constexpr(STAGES):
             if st < num_iters:
-                lookup_pages(r_pages[st, None], mBlockTable, batch, warp_first + st * step, v_end, n_sink, lo, g, kq)
+                lookup_pages(r_pages[st, None], mBlockTable, batch, warp_first + st * step, v_end, n_sink, lo, lane)
         for st in cutlass.range_constexpr(STAGES - 1):
             if st < num_iters:
-                issue_loads(sK, sV, Int32(st), mK, mV, r_pages[st, None], batch, head_kv,
-                            warp_first + st * step, v_end, n_sink, lo, tidx, g, kq)
+                issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st, None],
+                            batch, head_kv, warp_first + st * step, v_end, n_sink, lo, lane)
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
-            if ahead < num_iters:  # into the slot iteration it - 1 has finished reading
-                issue_loads(sK, sV, ahead % STAGES, mK, mV, r_pages[STAGES - 1, None], batch, head_kv,
-                            warp_first + ahead * step, v_end, n_sink, lo, tidx, g, kq)
+            # Every lane has read iteration it - 1's tiles before any lane refills them.
+            cute.arch.sync_warp()
+            if ahead < num_iters:
+                issue_loads(sK_warp[ahead % STAGES, None, None, None], sV_warp[ahead % STAGES, None, None, None],
+                            mK, mV, r_pages[STAGES - 1, None], batch, head_kv, warp_first + ahead * step, v_end,
+                            n_sink, lo, lane)
             if ahead + 1 < num_iters:  # the next iteration's pages: the load has a whole iteration to land
                 lookup_pages(r_pages[STAGES - 1, None], mBlockTable, batch, warp_first + (ahead + 1) * step,
-                             v_end, n_sink, lo, g, kq)
+                             v_end, n_sink, lo, lane)
             cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(STAGES - 1)  # this thread's copies of iteration it have landed
+            cute.arch.cp_async_wait_group(STAGES - 1)  # this lane's copies of iteration it have landed...
+            cute.arch.sync_warp()  # ...and every lane's: the fragments read rows other lanes copied
             stage = it % STAGES
             first = warp_first + it * step
-            self.k_fragment(sK[stage, None, None, None, None], r_k, tidx)
+            self.k_fragment(sK_warp[stage, None, None, None], r_k, g, kq)
             r_s.fill(0.0)
             cute.gemm(tiled_mma, r_s, r_q, r_k, r_s)
             for v in cutlass.range_constexpr(cute.size(r_s)):
@@ -660,7 +673,7 @@ class TensorCoreDecode:
             online_softmax_update(r_s, acc_o, row_max, row_sum)
             # S's accumulator layout is P V's A layout: the same 8 values in the same order.
             flat(r_p).store(flat(r_s).load().to(self.mma_dtype))
-            self.v_fragment(sV[stage, None, None, None, None], r_v, tidx)
+            self.v_fragment(sV_warp[stage, None, None, None], r_v, g, kq)
             cute.gemm(tiled_mma, acc_o, r_p, r_v, acc_o)
         # --8<-- [end:main_loop]
 
