@@ -69,7 +69,10 @@ LN_2 = math.log(2.0)
 MIN_KEYS_PER_SPLIT = 128  # the auto split count never gives a split fewer keys than this
 SPLIT_CTAS_PER_SM = 2  # CTAs per SM the auto split count aims at for few sequences (stage 7's choice)
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 255, (128, 2): 255, (256, 2): 255, (64, 1): 255, (128, 1): 255, (256, 1): 255}
+REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 252, (256, 2): 255, (64, 1): 168, (128, 1): 216, (256, 1): 255}
+# Register spill ptxas may leave, by (head dim, cache bytes): at D = 256 with a 16-bit cache the O
+# accumulator alone is 128 registers and ptxas, at its 255 cap, keeps 8-12 bytes in local memory.
+SPILL_BYTES = {(256, 2): 16}
 
 
 def cache_bytes(cache_dtype: str) -> int:
@@ -95,6 +98,11 @@ def work_bytes(head_dim: int, cache_dtype: str) -> int:
     ring = STAGES * KEYS_PER_ITERATION * 2 * head_dim * cache_bytes(cache_dtype)
     merge = 4 * NUM_WARPS * ROWS * (head_dim + 2)
     return max(ring, merge)
+
+
+def q_fragment_bytes(head_dim: int) -> int:
+    """Shared memory for Q's MMA fragment (D > 128 only): 32 lanes x D / 2 values of 2 bytes."""
+    return 32 * head_dim if head_dim > 128 else 4
 
 
 def combine_loads(head_dim: int) -> int:
@@ -363,6 +371,9 @@ class TensorCoreDecode:
         self.chunks = config.head_dim // self.k_elems        # 16-byte chunks per row
         self.rows_per_copy = 32 // self.chunks               # rows one copy instruction covers
         self.copies = KEYS_PER_WARP // self.rows_per_copy    # copy instructions per 16 rows
+        # At D = 256 the O accumulator alone takes 128 registers: Q's fragment waits in shared memory
+        # and is read back every iteration (it is the same for every warp: one copy per lane).
+        self.q_in_shared = config.head_dim > 128
 
     @cute.jit
     def __call__(
@@ -386,11 +397,13 @@ class TensorCoreDecode:
         stream,
     ):
         work_words = work_bytes(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16") // 4
+        q_words = q_fragment_bytes(self.head_dim) // 4
 
         @cute.struct
         class SharedStorage:
             # First the cp.async ring (K, then V), then (same bytes) the warps' states for the merge.
             work: cute.struct.Align[cute.struct.MemRange[Float32, work_words], 128]
+            q_fragment: cute.struct.Align[cute.struct.MemRange[Float32, q_words], 16]
             flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
@@ -500,10 +513,11 @@ class TensorCoreDecode:
                     # [/exercise]
 
     @cute.jit
-    def v_fragment(self, sV: cute.Tensor, r_v: cute.Tensor, g: Int32, kq: Int32):
-        """The B operand of O = P V from the warp's V tile of one stage.
+    def v_fragment(self, sV: cute.Tensor, r_v: cute.Tensor, g: Int32, kq: Int32, first_piece: int):
+        """The B operand of O = P V from the warp's V tile of one stage (the column blocks of
+        pieces ``first_piece``, ...: all of them, or half at D = 256).
 
-        ``r_v`` ((2, 2), D / 8 column blocks, 1): value v holds key
+        ``r_v`` ((2, 2), column blocks, 1): value v holds key
         ``v_slot_key(v, kq)`` (P's columns in this thread), in column g of block
         nb: the thread reads EV elements of each of those 4 rows at
         (8p + g) * EV, and element e of piece p is block p * EV + e. Each 32-bit
@@ -513,8 +527,8 @@ class TensorCoreDecode:
         elems = self.v_elems
         for slot in cutlass.range_constexpr(4):
             row = v_slot_key(slot, kq)
-            for p in cutlass.range_constexpr(self.v_pieces):
-                start = (8 * p + g) * elems  # the piece's first element in the row
+            for p in cutlass.range_constexpr(cute.size(r_v, mode=[1]) // elems):
+                start = (8 * (first_piece + p) + g) * elems  # the piece's first element in the row
                 chunk = sV[row, swizzle(row, self.chunks) ^ (start // self.k_elems), None]
                 piece = self.piece_to_registers(cute.local_tile(chunk, (elems,), ((start % self.k_elems) // elems,)))
                 for e in cutlass.range_constexpr(elems):
@@ -597,8 +611,18 @@ class TensorCoreDecode:
                     # [exercise 9] Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8).
                     r_q[e % 2 + 2 * r + 4 * (e // 2 % 2) + 8 * (p * (self.k_elems // 4) + e // 4)] = piece[e]
                     # [/exercise]
+        # [lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
+        s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
+                               cute.make_ordered_layout((32, d // 16, 8), order=(1, 2, 0)))
+        r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
+        if cutlass.const_expr(self.q_in_shared):
+            if warp_idx == 0:
+                cute.autovec_copy(r_q_pieces, s_q[lane, None, None])
+            cute.arch.sync_threads()
         r_k = cute.make_rmem_tensor(((2, 2), 2, d // 16), self.mma_dtype)
-        r_v = cute.make_rmem_tensor(((2, 2), d // 8, 1), self.mma_dtype)
+        # P V in parts of the head dim: at D = 256 half of V's fragment at a time (registers).
+        pv_parts = 2 if self.q_in_shared else 1
+        r_v = cute.make_rmem_tensor(((2, 2), d // 8 // pv_parts, 1), self.mma_dtype)
         # S (16 heads x 16 keys) and O (16 heads x D) accumulators, and P, S's values as P V's A operand.
         r_s = cute.make_rmem_tensor(((2, 2), 1, 2), Float32)
         r_p = cute.make_rmem_tensor(((2, 2, 2), 1, 1), self.mma_dtype)
@@ -665,6 +689,8 @@ class TensorCoreDecode:
             stage = it % STAGES
             first = warp_first + it * step
             self.k_fragment(sK_warp[stage, None, None, None], r_k, g, kq)
+            if cutlass.const_expr(self.q_in_shared):
+                cute.autovec_copy(s_q[lane, None, None], r_q_pieces)
             r_s.fill(0.0)
             cute.gemm(tiled_mma, r_s, r_q, r_k, r_s)
             for v in cutlass.range_constexpr(cute.size(r_s)):
@@ -673,8 +699,11 @@ class TensorCoreDecode:
             online_softmax_update(r_s, acc_o, row_max, row_sum)
             # S's accumulator layout is P V's A layout: the same 8 values in the same order.
             flat(r_p).store(flat(r_s).load().to(self.mma_dtype))
-            self.v_fragment(sV_warp[stage, None, None, None], r_v, g, kq)
-            cute.gemm(tiled_mma, acc_o, r_p, r_v, acc_o)
+            for part in cutlass.range_constexpr(pv_parts):
+                self.v_fragment(sV_warp[stage, None, None, None], r_v, g, kq, part * self.v_pieces // pv_parts)
+                acc_part = cute.make_tensor(acc_o.iterator + part * cute.size(acc_o) // pv_parts,
+                                            cute.make_layout(((2, 2), 1, d // 8 // pv_parts)))
+                cute.gemm(tiled_mma, acc_part, r_p, r_v, acc_part)
         # --8<-- [end:main_loop]
 
         # --8<-- [start:merge_warps]
@@ -858,7 +887,7 @@ def cross_compile_config(config: DecodeConfig, keep: bool = False):
 # --8<-- [start:num_splits]
 def shared_bytes(head_dim: int, cache_dtype: str) -> int:
     """Bytes of the kernel's SharedStorage: the work area and the last-block flag."""
-    return -(-(work_bytes(head_dim, cache_dtype) + 4) // 128) * 128
+    return -(-(work_bytes(head_dim, cache_dtype) + q_fragment_bytes(head_dim) + 4) // 128) * 128
 
 
 def ctas_per_sm(head_dim: int, cache_dtype: str = "float16") -> int:
