@@ -116,7 +116,7 @@ STAGES = [
           bench_shapes=tuple(dict.fromkeys(FA3_REFERENCE + FA3_SWEEP)), starts_from=6,
           cpu_numerics=("l2_group", "coords")),
     Stage(9, "tc_decode", "Tensor-core decode, FP8 KV cache",
-          "GQA packing on mma.sync, fragments straight from cp.async pieces, an e4m3 cache with scales",
+          "GQA packing on mma.sync, whole-row copies into swizzled warp tiles, an e4m3 cache with scales",
           ready=True, kind="decode", bench_shapes=DECODE_GROUPINGS, starts_from=7),
 ]
 
