@@ -26,6 +26,19 @@ def stage_number(text: str) -> int:
     return number
 
 
+def head_groupings(text: str) -> tuple[tuple[int, int], ...]:
+    """argparse type: "32/8,64/1" -> ((32, 8), (64, 1)), head groupings as H_q/H_kv."""
+    try:
+        pairs = tuple(tuple(int(n) for n in item.split("/")) for item in text.split(","))
+    except ValueError:
+        pairs = ()
+    if not pairs or any(len(pair) != 2 or min(pair) < 1 or pair[0] % pair[1] for pair in pairs):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of head groupings H_q/H_kv (H_q a multiple of H_kv) separated by commas, "
+            f"e.g. 32/8,64/1; stage 9 times {', '.join(f'{q}/{kv}' for q, kv in stages.GROUPINGS)}")
+    return pairs
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m course", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
                        help="whose kernels to time: solutions (the default) or stages (yours)")
     bench.add_argument("--out", default=None, help="folder for bench.json/.md/.png (default: docs/results)")
     bench.add_argument("--repeats", type=int, default=50, help="timed repeats per kernel and shape (default: 50)")
+    bench.add_argument("--groupings", type=head_groupings, default=None, metavar="H_Q/H_KV,...",
+                       help="decode: only the shapes of these head groupings, e.g. 32/8,64/8, to split a long run "
+                            "into parts; merge their bench.json with `python -m course.results --merge`")
+    bench.add_argument("--replot", action="store_true",
+                       help="time nothing: redraw the plots from OUT/bench.json (after a merge; no GPU needed)")
 
     model_bench = sub.add_parser("model-bench", help="time models end to end on the course backend next to "
                                  "transformers' attention (needs a Hopper GPU and the models extra)")
@@ -148,7 +166,10 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from course import bench as bench_mod
 
-        kwargs = {"impl": args.impl, "repeats": args.repeats}
+        if args.replot:
+            bench_mod.replot(args.out or bench_mod.DEFAULT_OUT)
+            return 0
+        kwargs = {"impl": args.impl, "repeats": args.repeats, "groupings": args.groupings}
         if args.out:
             kwargs["out_dir"] = args.out
         bench_mod.run(args.stage, **kwargs)

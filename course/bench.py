@@ -11,10 +11,12 @@ on a Hopper GPU.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import statistics
 import subprocess
 from dataclasses import asdict, replace
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -247,18 +249,26 @@ def time_prefill_shape(shape: PrefillShape, kernels: dict, repeats: int) -> list
     return rows
 
 
+def with_starting_stages(stage_numbers) -> list[int]:
+    """``stage_numbers`` and the stages they start from (``Stage.starts_from``): every stage a bench loads."""
+    starts = [stages.get(n).starts_from for n in stage_numbers if stages.get(n).starts_from]
+    return list(dict.fromkeys([*stage_numbers, *starts]))
+
+
+def timed_stages(shape, stage_numbers) -> list[int]:
+    """The stages timed on ``shape``: those of ``stage_numbers`` it is a bench shape of, then the stages
+    they start from, so that a stage's table shows the kernel it improves on the same inputs."""
+    return with_starting_stages([n for n in stage_numbers if shape in stages.get(n).bench_shapes])
+
+
 def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
     """Every stage on its bench shapes (next to the stage it starts from, if any), and the baselines
     once per distinct shape, all in the same rounds."""
-    numbers = list(dict.fromkeys(list(stage_numbers) + [stages.get(n).starts_from for n in stage_numbers
-                                                        if stages.get(n).starts_from]))
-    modules = {number: stages.get(number).load(impl) for number in numbers}
+    modules = {number: stages.get(number).load(impl) for number in with_starting_stages(stage_numbers)}
     shapes = dict.fromkeys(shape for number in stage_numbers for shape in stages.get(number).bench_shapes)
     rows = []
     for shape in shapes:
-        timed = [n for n in stage_numbers if shape in stages.get(n).bench_shapes]
-        timed += [stages.get(n).starts_from for n in timed if stages.get(n).starts_from]
-        kernels = {f"stage {n}": (n, modules[n].attention) for n in dict.fromkeys(timed)}
+        kernels = {f"stage {n}": (n, modules[n].attention) for n in timed_stages(shape, stage_numbers)}
         kernels.update({name: (None, fn) for name, fn in baselines().items()})
         rows += time_prefill_shape(shape, kernels, repeats)
     return rows
@@ -355,7 +365,7 @@ def plot_ablation(rows: list[dict], path: Path, title: str) -> None:
     _save(fig, path)
 
 
-# ---------------------------------------------------------------- decode (stage 7)
+# ---------------------------------------------------------------- decode (stages 7 and 9)
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """GB/s of a device-to-device copy (bytes read + bytes written per second): the memory roofline."""
@@ -379,6 +389,42 @@ def sdpa_decode(backend):
                                                   enable_gqa=True)
 
     return run
+
+
+def fa4_decode():
+    """FlashAttention-4's Hopper kernel on decode inputs, None when it is not installed: q [B, H_q, D] as
+    one query token [B, 1, H_q, D]; a contiguous cache [B, L, H_kv, D], or a paged one with its block table.
+
+    On Hopper FA4 runs without split-KV (its interface allows one split on SM 9.0): one CTA per sequence
+    and KV head streams the whole cache, so a small batch leaves most SMs idle. A paged cache goes
+    through ``flash_attn_varlen_func``'s ``page_table``; pages of 64 tokens are not its 128-key tile, so
+    it loads them without TMA.
+    """
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except ImportError:
+        return None
+
+    def run(q, k, v, seqlens, block_table=None):
+        try:
+            if block_table is None:
+                return flash_attn_func(q[:, None], k, v)
+            return flash_attn_varlen_func(q[:, None], k, v, seqused_k=seqlens, page_table=block_table)
+        except Exception as error:  # FA4 refuses with assertions, ValueErrors, DSL errors: a baseline left out
+            raise RuntimeError(f"FlashAttention-4 does not run it: {type(error).__name__}: {error}") from error
+
+    return run
+
+
+def decode_baselines() -> dict:
+    """{name: fn(q, k, v, seqlens)} on a contiguous cache: SDPA's cuDNN and flash backends, and FA4 if installed."""
+    from torch.nn.attention import SDPBackend
+
+    kernels = {"SDPA cuDNN": sdpa_decode(SDPBackend.CUDNN_ATTENTION),
+               "SDPA flash": sdpa_decode(SDPBackend.FLASH_ATTENTION)}
+    if fa4_decode() is not None:
+        kernels["FA4"] = fa4_decode()
+    return kernels
 
 
 def decode_inputs(shape: DecodeShape, seed: int = 0):
@@ -417,66 +463,199 @@ def decode_groups(shapes) -> dict:
     return groups
 
 
-def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> dict:
-    """{copy_gbps, rows}: every decode stage on its BENCH_SHAPES next to SDPA (cuDNN, flash) with enable_gqa.
+def as_pages(cache, shape: DecodeShape):
+    """``cache`` [B, L, H_kv, D] as ``shape``'s pages [B * L / page_size, page_size, H_kv, D] when it is
+    paged (a view: both layouts read the same memory), else the cache itself."""
+    return cache.view(-1, shape.page_size, *cache.shape[2:]) if shape.paged else cache
+
+
+def reads_fp8_cache(module) -> bool:
+    """Does a decode stage's ``decode_attention`` take an FP8 cache (``k_scale``, ``v_scale``: stage 9 on)?"""
+    return "k_scale" in inspect.signature(module.decode_attention).parameters
+
+
+# quantize_kv_cache holds float32 copies of what it quantizes (|x|, x / scale, its clamp): about 13 bytes
+# per element at its peak, 16 with the allocator's rounding.
+QUANTIZE_BYTES_PER_ELEMENT = 16
+
+
+def fp8_bytes(shape: DecodeShape) -> int:
+    """GPU memory the FP8 copy of ``shape``'s cache needs: its own bytes (half of the 16-bit cache's) and
+    the temporaries of quantizing one KV head of K or V (``fp8_copy``)."""
+    return shape.kv_bytes // 2 + QUANTIZE_BYTES_PER_ELEMENT * shape.batch * shape.seqlen_k * shape.head_dim
+
+
+def fp8_copy_fits(shape: DecodeShape) -> bool:
+    """Is there GPU memory for the FP8 copy of ``shape``'s cache next to the 16-bit one? If not, say so."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    if fp8_bytes(shape) <= free:
+        return True
+    print(f"  the FP8 copy of {shape.label}: not made (no fp8 rows), it and the quantization's temporaries "
+          f"need {fp8_bytes(shape) / 2**30:.1f} GiB next to the 16-bit cache, {free / 2**30:.1f} GiB are free")
+    return False
+
+
+def fp8_copy(k, v):
+    """``quantize_kv_cache(k, v)`` computed one KV head at a time: (k_fp8, v_fp8, k_scale, v_scale).
+
+    Its scales are per KV head, so head by head gives the same cache, while its float32
+    temporaries are those of one head instead of the whole cache: what lets the largest
+    shapes (32 GiB of fp16 K and V) keep their 16 GiB FP8 copy next to them on an 80 GB GPU.
+    """
+    import torch
+
+    from course.kv_cache import quantize_kv_cache
+
+    k8, v8 = (torch.empty_like(x, dtype=torch.float8_e4m3fn) for x in (k, v))
+    k_scale, v_scale = (torch.empty(k.shape[2], dtype=torch.float32, device=k.device) for _ in range(2))
+    for h in range(k.shape[2]):
+        head = slice(h, h + 1)
+        k8[:, :, head], v8[:, :, head], k_scale[head], v_scale[head] = quantize_kv_cache(k[:, :, head], v[:, :, head])
+    return k8, v8, k_scale, v_scale
+
+
+def layout_calls(shape: DecodeShape, numbers, modules: dict, q, k, v, seqlens, fp8) -> dict:
+    """{(kernel, shape): (stage or None, bytes read, a call with no arguments)} on one cache layout: the
+    stages ``numbers`` on the 16-bit cache ``k``, ``v`` [B, L, H_kv, D] and, where a stage reads one, on
+    its FP8 copy ``fp8`` (None: not made); on a paged layout also FA4, which the baselines leave out."""
+    table = shuffled_block_table(shape) if shape.paged else None
+    cache = [as_pages(x, shape) for x in (k, v)]
+    calls = {}
+    for n in numbers:
+        decode = partial(modules[n].decode_attention, block_table=table, check_lengths=False)
+        calls[f"stage {n}", shape] = (n, shape.kv_bytes, partial(decode, q, *cache, seqlens))
+        if fp8 is not None and reads_fp8_cache(modules[n]):
+            k8, v8, k_scale, v_scale = fp8
+            calls[f"stage {n}{results_page.FP8_SUFFIX}", shape] = (n, shape.kv_bytes // 2, partial(
+                decode, q, as_pages(k8, shape), as_pages(v8, shape), seqlens, k_scale=k_scale, v_scale=v_scale))
+    fa4 = fa4_decode()
+    if shape.paged and fa4 is not None:
+        calls["FA4", shape] = (None, shape.kv_bytes, partial(fa4, q, *cache, seqlens, table))
+    return calls
+
+
+def decode_row(kernel: str, shape: DecodeShape, *, stage, kv_bytes: int, ms: float, eager_ms: float,
+               host_us: float, copy_gbps: float) -> dict:
+    """One kernel on one shape: ``ms`` from CUDA graph replays, ``eager_ms`` from eager calls, GB/s of the
+    bytes it reads (an FP8 cache: half), tokens/s = B * L / time, comparable across cache dtypes."""
+    gbps = kv_bytes / ms / 1e6
+    return {"stage": stage, "kernel": kernel, "shape": asdict(shape), "label": shape.label, "ms": ms,
+            "eager_ms": eager_ms, "kv_bytes": kv_bytes, "gbps": gbps, "copy_fraction": gbps / copy_gbps,
+            "tokens_per_s": shape.batch * shape.seqlen_k / ms * 1e3, "host_us": host_us}
+
+
+def add_fp8_speedups(rows: list[dict]) -> None:
+    """Each FP8 row gets ``speedup_vs_fp16``: its tokens/s over the same stage's on the 16-bit cache of the
+    same shape, what halving the bytes bought."""
+    by_key = {(r["kernel"], r["label"]): r for r in rows}
+    for row in rows:
+        fp16 = by_key.get((row["kernel"].removesuffix(results_page.FP8_SUFFIX), row["label"]))
+        if row["kernel"].endswith(results_page.FP8_SUFFIX) and fp16 is not None:
+            row["speedup_vs_fp16"] = row["tokens_per_s"] / fp16["tokens_per_s"]
+
+
+def print_decode_row(row: dict) -> None:
+    line = (f"  {row['kernel']:>11} {row['label']}: {row['ms']:.3f} ms (eager {row['eager_ms']:.3f}), "
+            f"{row['gbps']:.0f} GB/s ({100 * row['copy_fraction']:.0f}% of the copy bandwidth), "
+            f"{row['tokens_per_s'] / 1e6:.0f} M tokens/s; host {row['host_us']:.0f} us per eager call")
+    if "speedup_vs_fp16" in row:
+        line += f"; {row['speedup_vs_fp16']:.2f}x the tokens/s on the 16-bit cache"
+    print(line)
+
+
+def time_decode_group(contiguous: DecodeShape, group: list, stage_numbers, modules: dict, *, copy_gbps: float,
+                      repeats: int) -> list[dict]:
+    """Rows of every kernel on one (B, L, head grouping), all timed in the same rounds, replayed from CUDA
+    graphs and called eagerly: the stages on each layout of ``group`` (and on an FP8 copy of the cache where
+    a stage reads one), FA4 on the paged layout, the baselines on the contiguous cache.
+
+    The tensors live in this function's frame, so the cache is freed when it returns.
+    """
+    q, k, v, seqlens, _ = decode_inputs(contiguous)
+    numbers = {shape: timed_stages(shape, stage_numbers) for shape in group}
+    wants_fp8 = any(reads_fp8_cache(modules[n]) for timed in numbers.values() for n in timed)
+    fp8 = fp8_copy(k, v) if wants_fp8 and fp8_copy_fits(contiguous) else None
+    calls = {}
+    for shape in group:
+        calls.update(layout_calls(shape, numbers[shape], modules, q, k, v, seqlens, fp8))
+    for name, fn in decode_baselines().items():
+        calls[name, contiguous] = (None, contiguous.kv_bytes, partial(fn, q, k, v, seqlens))
+    graphs = {}
+    for (name, shape), (_, _, fn) in calls.items():
+        for graph in runnable({name: fn}, shape.label, prepare=capture_graph).values():
+            graphs[name, shape] = graph
+    graph_ms = time_graphs(graphs, repeats=repeats)
+    eager_ms = time_in_rounds({key: calls[key][2] for key in graphs}, repeats=repeats)
+    rows = [decode_row(name, shape, stage=calls[name, shape][0], kv_bytes=calls[name, shape][1], ms=ms,
+                       eager_ms=eager_ms[name, shape], host_us=host_microseconds(calls[name, shape][2]),
+                       copy_gbps=copy_gbps)
+            for (name, shape), ms in graph_ms.items()]
+    add_fp8_speedups(rows)
+    for row in rows:
+        print_decode_row(row)
+    return rows
+
+
+def grouping_text(groupings) -> str:
+    return ", ".join(f"{h_q}/{h_kv}" for h_q, h_kv in groupings)
+
+
+def decode_shapes(stage_numbers, groupings=None) -> list[DecodeShape]:
+    """The bench shapes of the decode stages ``stage_numbers``, only those of the head groupings
+    ``groupings`` ((H_q, H_kv) pairs; None: all), in the registry's order."""
+    shapes = dict.fromkeys(shape for n in stage_numbers for shape in stages.get(n).bench_shapes)
+    chosen = [s for s in shapes if groupings is None or (s.heads_q, s.heads_kv) in groupings]
+    if not chosen:
+        present = dict.fromkeys((s.heads_q, s.heads_kv) for s in shapes)
+        raise SystemExit(f"no bench shape of stage {', '.join(map(str, stage_numbers))} has the head grouping "
+                         f"{grouping_text(groupings)} (H_q/H_kv); its groupings are {grouping_text(present)}")
+    return chosen
+
+
+def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50, groupings=None) -> dict:
+    """{copy_gbps, graph_calls, rows}: every decode stage on its bench shapes (only those of ``groupings``,
+    (H_q, H_kv) pairs, if given) next to the stage it starts from, SDPA (cuDNN, flash) with enable_gqa and FA4.
 
     Effective bandwidth = bytes of K and V read once / time. SDPA sees the
     contiguous cache as [B, H_kv, L, D] (a transposed view) and q as
-    [B, H_q, 1, D]. All kernels of one (B, L), both cache layouts and the
-    baselines, are timed in the same rounds (``time_graphs``). Shapes whose
-    cache does not fit in the free GPU memory are skipped.
+    [B, H_q, 1, D]. All kernels of one (B, L, grouping), both cache layouts, the
+    FP8 cache and the baselines, are timed in the same rounds, from CUDA graphs
+    (``time_graphs``) and eagerly (``time_in_rounds``). A (B, L, grouping)
+    whose cache does not fit in the free GPU memory is skipped, and so is an FP8
+    copy that does not fit next to it.
     """
     import torch
-    from torch.nn.attention import SDPBackend
 
-    baselines = {"SDPA cuDNN": sdpa_decode(SDPBackend.CUDNN_ATTENTION),
-                 "SDPA flash": sdpa_decode(SDPBackend.FLASH_ATTENTION)}
+    shapes = decode_shapes(stage_numbers, groupings)
     copy_gbps = copy_bandwidth()
     print(f"  device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
-    modules = {number: stages.get(number).load(impl) for number in stage_numbers}
-    shapes = dict.fromkeys(shape for number in stage_numbers for shape in stages.get(number).bench_shapes)
+    modules = {number: stages.get(number).load(impl) for number in with_starting_stages(stage_numbers)}
     rows = []
     for contiguous, group in decode_groups(shapes).items():
         free, _ = torch.cuda.mem_get_info()
         if contiguous.kv_bytes * 1.15 > free:
-            print(f"  {contiguous.label}: skipped, the cache ({contiguous.kv_bytes / 2**30:.1f} GiB) does not fit "
-                  f"in the free GPU memory ({free / 2**30:.1f} GiB)")
+            print(f"  {contiguous.label}: skipped with its other layouts, the cache "
+                  f"({contiguous.kv_bytes / 2**30:.1f} GiB) does not fit in the free GPU memory "
+                  f"({free / 2**30:.1f} GiB)")
             continue
-        q, k, v, seqlens, _ = decode_inputs(contiguous)
-        kernels = {}  # (name, shape) -> (stage number, a call with no arguments)
-        for shape in group:
-            table = shuffled_block_table(shape) if shape.paged else None
-            kv = [x.view(-1, shape.page_size, *x.shape[2:]) if shape.paged else x for x in (k, v)]
-            for n, m in modules.items():
-                if shape in stages.get(n).bench_shapes:
-                    kernels[f"stage {n}", shape] = (n, lambda m=m, kv=kv, table=table: m.decode_attention(
-                        q, *kv, seqlens, block_table=table, check_lengths=False))
-        kernels.update({(name, contiguous): (None, lambda fn=fn: fn(q, k, v)) for name, fn in baselines.items()})
-        graphs = {}
-        for (name, shape), (_, fn) in kernels.items():
-            for graph in runnable({name: fn}, shape.label, prepare=capture_graph).values():
-                graphs[name, shape] = graph
-        times = time_graphs(graphs, repeats=repeats)
-        for (name, shape), ms in times.items():
-            number, fn = kernels[name, shape]
-            host_us = host_microseconds(fn)
-            gbps = shape.kv_bytes / ms / 1e6
-            rows.append({"stage": number, "kernel": name, "shape": asdict(shape), "label": shape.label,
-                         "ms": ms, "gbps": gbps, "copy_fraction": gbps / copy_gbps, "host_us": host_us})
-            print(f"  {name:>11} {shape.label}: {ms:.3f} ms, {gbps:.0f} GB/s of K and V "
-                  f"({100 * gbps / copy_gbps:.0f}% of the copy bandwidth); host {host_us:.0f} us per eager call")
-        del q, k, v, seqlens, graphs
+        rows += time_decode_group(contiguous, group, stage_numbers, modules, copy_gbps=copy_gbps, repeats=repeats)
         torch.cuda.empty_cache()
     return {"copy_gbps": copy_gbps, "graph_calls": GRAPH_CALLS, "rows": rows}
 
 
-def plot_decode(results: dict, path: Path) -> None:
+def plot_decode(results: dict, path: Path) -> bool:
+    """Bars of GB/s per shape and kernel on stage 7's shapes (stages.DECODE); False when no row is on them.
+    Stage 9's head groupings get a line plot of their own (``plot_decode_groupings``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = results["decode"]["rows"]
+    rows = results_page.rows_on(results["decode"]["rows"], stages.DECODE)
+    if not rows:
+        return False
     labels = list(dict.fromkeys(r["label"] for r in rows))
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4.5))
@@ -493,9 +672,103 @@ def plot_decode(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
-def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 50) -> dict:
+def _grouping_points(rows: list[dict], kernel: str, batch: int, grouping: tuple, paged: bool) -> list[tuple]:
+    """(L, GB/s) of one kernel at one batch size, head grouping and cache layout, by L."""
+    return sorted((r["shape"]["seqlen_k"], r["gbps"]) for r in rows if r["kernel"] == kernel
+                  and r["shape"]["batch"] == batch and results_page.grouping(r) == grouping
+                  and r["shape"]["paged"] == paged)
+
+
+def decode_groupings_figure(results: dict):
+    """GB/s against the context length, one line per kernel and cache layout (contiguous solid, paged
+    dashed), one panel per head grouping (columns) and batch size (rows), the copy bandwidth dotted.
+    None when no stage timed on several head groupings (stage 9) has rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    rows = results_page.grouping_rows(results["decode"]["rows"])
+    if not rows:
+        return None
+    groupings = results_page.groupings_of(rows)
+    batches = sorted({r["shape"]["batch"] for r in rows})
+    seqlens = sorted({r["shape"]["seqlen_k"] for r in rows})
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    height = 2.8 * len(batches) + 1.2  # inches: the panels, then the title and a legend of two lines
+    fig, axes = plt.subplots(len(batches), len(groupings), figsize=(max(8.0, 3.4 * len(groupings)), height),
+                             sharex=True, sharey=True, squeeze=False)
+    for row_axes, batch in zip(axes, batches):
+        for ax, (h_q, h_kv) in zip(row_axes, groupings):
+            for i, kernel in enumerate(kernels):
+                color, marker = _style(kernel, i)
+                for paged in (False, True):
+                    points = _grouping_points(rows, kernel, batch, (h_q, h_kv), paged)
+                    if points:
+                        ax.plot(*zip(*points), color=color, marker=marker, markersize=4, linewidth=1.5,
+                                linestyle="--" if paged else "-")
+            ax.axhline(results["decode"]["copy_gbps"], color="gray", linestyle=":", linewidth=1)
+            ax.set_ylim(bottom=0)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqlens, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
+            ax.set_title(f"H_q/H_kv {h_q}/{h_kv} ({results_page.grouping_name(h_q, h_kv)}), B={batch}", fontsize=9)
+            ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("GB/s")
+    for ax in axes[-1]:
+        ax.set_xlabel("context length L")
+    handles = [Line2D([], [], color=_style(k, i)[0], marker=_style(k, i)[1], label=k) for i, k in enumerate(kernels)]
+    handles += [Line2D([], [], color="black", label="contiguous cache"),
+                Line2D([], [], color="black", linestyle="--", label="paged cache"),
+                Line2D([], [], color="gray", linestyle=":", label="copy bandwidth")]
+    fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // 2), fontsize=9)
+    fig.suptitle(f"Decode on {results['environment']['gpu']}: GB/s of the K/V cache read (fp8: of its half-size cache)")
+    fig.tight_layout(rect=(0, 0.7 / height, 1, 1))
+    return fig
+
+
+def plot_decode_groupings(results: dict, path: Path) -> bool:
+    """Write ``decode_groupings_figure`` to ``path``; False when there is nothing to draw."""
+    fig = decode_groupings_figure(results)
+    if fig is None:
+        return False
+    _save(fig, path)
+    return True
+
+
+def write_plots(results: dict, out_dir: Path) -> list[str]:
+    """Draw every plot ``results`` has rows for in ``out_dir``; the names of the files written."""
+    gpu = results["environment"]["gpu"]
+    written = []
+    if plot_prefill(results.get("rows", []), out_dir / "bench-prefill.png", f"Attention forward, fp16, on {gpu}"):
+        written.append("bench-prefill.png")
+    if results.get("ablation"):
+        plot_ablation(results["ablation"], out_dir / "bench-ablation.png", f"Stage 8, step by step, on {gpu}")
+        written.append("bench-ablation.png")
+    if results.get("decode", {}).get("rows"):
+        if plot_decode(results, out_dir / "bench-decode.png"):
+            written.append("bench-decode.png")
+        if plot_decode_groupings(results, out_dir / results_page.GROUPINGS_PLOT):
+            written.append(results_page.GROUPINGS_PLOT)
+    return written
+
+
+def replot(out_dir: Path = DEFAULT_OUT) -> list[str]:
+    """Redraw the plots from ``out_dir``/bench.json (after ``python -m course.results --merge``); no GPU needed."""
+    out_dir = Path(out_dir)
+    written = write_plots(json.loads((out_dir / "bench.json").read_text()), out_dir)
+    print(f"wrote {', '.join(written) or 'no plot (bench.json has no rows to draw)'} in {out_dir}")
+    return written
+
+
+def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 50,
+        groupings=None) -> dict:
+    """Time ``stage_numbers`` (default: every ready stage; ``groupings``: only the decode shapes of these
+    (H_q, H_kv) pairs), write bench.json, the tables (``course.results``) and the plots in ``out_dir``."""
     import torch
 
     if not torch.cuda.is_available():
@@ -507,20 +780,11 @@ def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutio
     if 8 in prefill:
         results["ablation"] = bench_ablation(impl=impl, repeats=repeats)
     if decode:
-        results["decode"] = bench_decode(decode, impl=impl, repeats=repeats)
+        results["decode"] = bench_decode(decode, impl=impl, repeats=repeats, groupings=groupings)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     results_page.render(out_dir)
-    gpu = results["environment"]["gpu"]
-    written = ["bench.json", results_page.TABLES, results_page.BENCH_MD]
-    if plot_prefill(results["rows"], out_dir / "bench-prefill.png", f"Attention forward, fp16, on {gpu}"):
-        written.append("bench-prefill.png")
-    if results.get("ablation"):
-        plot_ablation(results["ablation"], out_dir / "bench-ablation.png", f"Stage 8, step by step, on {gpu}")
-        written.append("bench-ablation.png")
-    if results.get("decode", {}).get("rows"):
-        plot_decode(results, out_dir / "bench-decode.png")
-        written.append("bench-decode.png")
+    written = ["bench.json", results_page.TABLES, results_page.BENCH_MD, *write_plots(results, out_dir)]
     print(f"wrote {', '.join(written)} in {out_dir}")
     return results

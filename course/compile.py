@@ -22,7 +22,7 @@ ARTIFACT_ROOT = Path(__file__).resolve().parent.parent / "artifacts"
 
 
 def cute_dtype(torch_dtype):
-    """The CuTe numeric type for a torch dtype (fp16, bf16, fp32)."""
+    """The CuTe numeric type for a torch dtype (fp16, bf16, fp32, int32, fp8 e4m3)."""
     import cutlass
     import torch
 
@@ -31,6 +31,7 @@ def cute_dtype(torch_dtype):
         torch.bfloat16: cutlass.BFloat16,
         torch.float32: cutlass.Float32,
         torch.int32: cutlass.Int32,
+        torch.float8_e4m3fn: cutlass.Float8E4M3FN,
     }
     return table[torch_dtype]
 

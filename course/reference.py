@@ -104,11 +104,13 @@ def decode_keys_values(k_cache, v_cache, batch: int, seqlen: int, block_table=No
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, return_lse=False,
-                     dtype=torch.float64):
+                     k_scale=None, v_scale=None, dtype=torch.float64):
     """O [B, H_q, D] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D] or paged [num_pages,
     page_size, H_kv, D] with block_table [B, max_pages]; cache_seqlens [B].
+    An FP8 cache comes with ``k_scale``, ``v_scale`` ([H_kv] or scalars): it
+    holds K / k_scale and V / v_scale, dequantized here in ``dtype``.
     Sequence by sequence: the visible keys from ``decode_visible_keys``, then
     the same safe softmax as ``attention`` (sink logit in the denominator
     only). A sequence with no visible key gets O = 0 and LSE = -inf (or the
@@ -116,6 +118,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     """
     b, h_q, d = q.shape
     h_kv = k_cache.shape[2]
+    k_factor, v_factor = (torch.ones(1, 1, 1, dtype=dtype, device=q.device) if s is None
+                          else s.to(device=q.device, dtype=dtype).reshape(1, -1, 1) for s in (k_scale, v_scale))
     group = h_q // h_kv
     scale = validation.resolve_scale(softmax_scale, d)
     o = torch.zeros(b, h_q, d, dtype=dtype, device=q.device)
@@ -123,7 +127,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     lengths = [int(n) for n in cache_seqlens.tolist()]
     for bi, seqlen in enumerate(lengths):
         k, v = decode_keys_values(k_cache, v_cache, bi, seqlen, block_table)
-        k, v = k.to(device=q.device, dtype=dtype), v.to(device=q.device, dtype=dtype)
+        k, v = k.to(device=q.device, dtype=dtype) * k_factor, v.to(device=q.device, dtype=dtype) * v_factor
         qb = q[bi].to(dtype).view(h_kv, group, d)                          # [H_kv, G, D]
         scores = torch.einsum("hgd,jhd->hgj", qb, k) * scale              # [H_kv, G, L]
         mask = decode_visible_keys(seqlen, window_size_left=window_size_left,

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from course import stages
-from course.shapes import PrefillShape
+from course.shapes import DecodeShape, PrefillShape
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "docs" / "results"
 TABLES = "results-tables.md"
 BENCH_MD = "bench.md"
 BASELINE = "SDPA cuDNN"
 PEER = "FA4"  # FlashAttention-4's Hopper kernel, in the same DSL: a column where it ran
+FP8_SUFFIX = " fp8"  # "stage 9 fp8": stage 9's kernel on the FP8 (e4m3) copy of the same cache
+GROUPINGS_PLOT = "bench-decode-groupings.png"  # stage 9: GB/s against L, per head grouping and batch size
 
 
 def cudnn_version(version) -> str:
@@ -99,26 +102,156 @@ def ablation_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _with_eager(rows: list[dict]) -> bool:
+    """Were these decode rows also timed eagerly (runs from stage 9 on)?"""
+    return any("eager_ms" in r for r in rows)
+
+
 def decode_timing(decode: dict) -> str:
-    return (f"Time per call is GPU time, replayed from a CUDA graph of {decode['graph_calls']} calls (as serving "
+    text = (f"Time per call is GPU time, replayed from a CUDA graph of {decode['graph_calls']} calls (as serving "
             "engines run decode); \"host\" is the Python and launch time of one eager call, which is what an eager "
             "call on a short cache waits for.")
+    if _with_eager(decode["rows"]):
+        text += (" \"eager\" times the same calls without a graph, in the same rounds: what a caller without "
+                 "CUDA graphs gets, host included where the host is the slower side.")
+    return text
 
 
 def decode_table(rows: list[dict], all_rows: list[dict]) -> list[str]:
-    """Paged rows compare with SDPA on the same cache stored contiguously (SDPA has no paged cache)."""
+    """Paged rows compare with SDPA on the same cache stored contiguously (SDPA has no paged cache). Rows
+    timed eagerly too add their eager time and tokens/s (B * L / time, comparable across cache dtypes)."""
+    with_eager = _with_eager(rows)
     lines = [
-        "| shape | kernel | time (ms) | K/V GB/s | of copy bandwidth | vs SDPA cuDNN | host (us) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| shape | kernel | time (ms) | K/V GB/s | of copy bandwidth | vs SDPA cuDNN | host (us) |"
+        + (" eager (ms) | M tokens/s |" if with_eager else ""),
+        "|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if with_eager else ""),
     ]
     for r in rows:
         contiguous = {**r["shape"], "paged": False}
         baseline = next((b["ms"] for b in all_rows if b["kernel"] == BASELINE and b["shape"] == contiguous), None)
         fraction = f"{100 * r['copy_fraction']:.0f}%" if "copy_fraction" in r else "-"
         host = f"{r['host_us']:.0f}" if "host_us" in r else "-"
-        lines.append(f"| {r['label']} | {_kernel(r)} | {r['ms']:.3f} | {r['gbps']:.0f} | {fraction} | "
-                     f"{_ratio(baseline, r['ms'])} | {host} |")
+        line = (f"| {r['label']} | {_kernel(r)} | {r['ms']:.3f} | {r['gbps']:.0f} | {fraction} | "
+                f"{_ratio(baseline, r['ms'])} | {host} |")
+        if with_eager:
+            line += f" {_value(r, 'eager_ms', '{:.3f}')} | {_value(r, 'tokens_per_s', '{:,.0f}', 1e6)} |"
+        lines.append(line)
     return lines
+
+
+def _value(row: dict | None, key: str, spec: str, unit: float = 1.0) -> str:
+    """``row[key] / unit`` formatted with ``spec``, or "-" when the row or the value is missing."""
+    return spec.format(row[key] / unit) if row is not None and key in row else "-"
+
+
+# ---------------------------------------------------------------- decode over head groupings (stage 9)
+
+def decode_shape(row: dict) -> DecodeShape:
+    return DecodeShape(**row["shape"])
+
+
+def rows_on(rows: list[dict], shapes) -> list[dict]:
+    """The decode rows measured on one of ``shapes`` (DecodeShapes), in their order."""
+    shapes = set(shapes)
+    return [r for r in rows if decode_shape(r) in shapes]
+
+
+def grouping(row: dict) -> tuple[int, int]:
+    """(H_q, H_kv) of a decode row's shape."""
+    return row["shape"]["heads_q"], row["shape"]["heads_kv"]
+
+
+def grouping_name(heads_q: int, heads_kv: int) -> str:
+    if heads_q == heads_kv:
+        return "MHA"
+    return "MQA" if heads_kv == 1 else f"GQA, group {heads_q // heads_kv}"
+
+
+def groupings_of(rows: list[dict]) -> list[tuple[int, int]]:
+    """The head groupings of ``rows``: the registry's (stages.GROUPINGS) in its order, then any other."""
+    present = set(map(grouping, rows))
+    return [g for g in stages.GROUPINGS if g in present] + sorted(present - set(stages.GROUPINGS))
+
+
+def spans_groupings(number: int) -> bool:
+    """Is stage ``number`` a decode stage timed on several head groupings (stage 9)? Its results are then one
+    table per grouping and a plot, instead of one row per (shape, kernel)."""
+    stage = stages.get(number)
+    return stage.kind == "decode" and len({(s.heads_q, s.heads_kv) for s in stage.bench_shapes}) > 1
+
+
+def grouping_rows(rows: list[dict]) -> list[dict]:
+    """Every decode row on the shapes of the stages timed on several head groupings: what their plot draws."""
+    shapes = {s for n in _stage_numbers(rows) if spans_groupings(n) for s in stages.get(n).bench_shapes}
+    return rows_on(rows, shapes)
+
+
+def grouping_columns(rows: list[dict], number: int) -> list[str]:
+    """The kernels of stage ``number``'s grouping tables, in reading order: the stage, its FP8 variant, the stage
+    it starts from, the baselines, then any other kernel measured."""
+    starts_from = stages.get(number).starts_from
+    preferred = [f"stage {number}", f"stage {number}{FP8_SUFFIX}", *([f"stage {starts_from}"] if starts_from else []),
+                 BASELINE, "SDPA flash", PEER]
+    present = list(dict.fromkeys(r["kernel"] for r in rows))
+    return [k for k in preferred if k in present] + [k for k in present if k not in preferred]
+
+
+def _seqlen(length: int) -> str:
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def grouping_table(rows: list[dict], number: int) -> list[str]:
+    """One head grouping's rows of stage ``number``: a line per (B, L, layout), GB/s per kernel, then the
+    stage's ratio to cuDNN (a paged row: to cuDNN on the same cache stored contiguously), its FP8
+    variant's tokens/s and speed-up over the 16-bit cache, and the stage's graph and eager times."""
+    ours, fp8 = f"stage {number}", f"stage {number}{FP8_SUFFIX}"
+    kernels = grouping_columns(rows, number)
+    with_fp8, with_eager = fp8 in kernels, _with_eager(rows)
+    header = ["B", "L", "layout", *kernels, f"{ours} vs cuDNN"]
+    header += [f"{fp8} M tokens/s", "fp8 vs 16-bit tokens/s"] if with_fp8 else []
+    header += [f"{ours} graph (ms)", f"{ours} eager (ms)"] if with_eager else []
+    lines = ["| " + " | ".join(header) + " |", "|---:|---:|---|" + "---:|" * (len(header) - 3)]
+    by_key = {(r["kernel"], r["label"]): r for r in rows}
+    for shape in sorted(set(map(decode_shape, rows)), key=lambda s: (s.batch, s.seqlen_k, s.paged)):
+        row = {kernel: by_key.get((kernel, shape.label)) for kernel in kernels}
+        cudnn = by_key.get((BASELINE, replace(shape, paged=False).label))
+        cells = [str(shape.batch), _seqlen(shape.seqlen_k), f"paged {shape.page_size}" if shape.paged else "contiguous"]
+        cells += [_value(row[kernel], "gbps", "{:.0f}") for kernel in kernels]
+        cells.append(_ratio(cudnn["ms"], row[ours]["ms"]) if cudnn and row.get(ours) else "-")
+        if with_fp8:
+            cells += [_value(row[fp8], "tokens_per_s", "{:,.0f}", 1e6), _value(row[fp8], "speedup_vs_fp16", "{:.2f}x")]
+        if with_eager:
+            cells += [_value(row.get(ours), "ms", "{:.3f}"), _value(row.get(ours), "eager_ms", "{:.3f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def groupings_section(rows: list[dict], number: int, images: str) -> list[str]:
+    """Stage ``number``'s decode results over head groupings: what the columns mean, the plot, a table per grouping."""
+    text = (f"GB/s = bytes of the K/V cache read once / time, from CUDA graph replays, one table per head grouping "
+            f"(H_q query heads on H_kv KV heads). **stage {number}{FP8_SUFFIX}** reads the same cache quantized to "
+            "e4m3 (`course.kv_cache.quantize_kv_cache`), half the bytes: its GB/s are of its own bytes, and its "
+            "tokens/s (B x L / time) compare with the 16-bit cache's. SDPA has no paged cache: a paged row's ratio "
+            "to cuDNN is against cuDNN on the same cache stored contiguously.")
+    if any(r["kernel"] == PEER for r in rows):
+        text += (" FA4 runs without split-KV on Hopper (its interface allows one split on SM 9.0): at a small "
+                 "batch most SMs wait.")
+    text += " \"-\": not measured (the bench's log says why: no such layout, a refused shape, or memory)."
+    lines = [text, "", f"![Decode: GB/s against the context length, per head grouping and batch size]"
+                       f"({images}/{GROUPINGS_PLOT})"]
+    for h_q, h_kv in groupings_of(rows):
+        lines += ["", f"**H_q = {h_q}, H_kv = {h_kv} ({grouping_name(h_q, h_kv)})**", "",
+                  *grouping_table([r for r in rows if grouping(r) == (h_q, h_kv)], number)]
+    return lines
+
+
+def decode_stage_lines(decode: dict, number: int, images: str) -> list[str]:
+    """Decode stage ``number``'s results on its own bench shapes (where a later stage times it too, it has more
+    rows): a row per (shape, kernel), or for a stage timed on several head groupings a table per grouping."""
+    rows = rows_on(_rows_of_stage(decode["rows"], number), stages.get(number).bench_shapes)
+    if spans_groupings(number):
+        return groupings_section(rows, number, images)
+    return decode_table(rows, decode["rows"])
 
 
 def stage_heading(number: int) -> str:
@@ -177,10 +310,11 @@ def tables(results: dict) -> str:
     if decode:
         lines += ["", "## Decode", "",
                   "Effective bandwidth = bytes of K and V read once / time; the dashed line of the plot is the "
-                  "device-to-device copy bandwidth measured in the same run. " + decode_timing(results["decode"]), "",
-                  "![Decode: effective K/V bandwidth of each kernel, per shape](results/bench-decode.png)"]
+                  "device-to-device copy bandwidth measured in the same run. " + decode_timing(results["decode"])]
+        if rows_on(decode, stages.DECODE):
+            lines += ["", "![Decode: effective K/V bandwidth of each kernel, per shape](results/bench-decode.png)"]
         for number in _stage_numbers(decode):
-            lines += ["", f"### {stage_heading(number)}", "", *decode_table(_rows_of_stage(decode, number), decode)]
+            lines += ["", f"### {stage_heading(number)}", "", *decode_stage_lines(results["decode"], number, "results")]
     if not prefill and not decode:
         lines += ["", "No measurements yet: run `python -m course bench --out docs/results` on a Hopper GPU."]
     return "\n".join(lines) + "\n"
@@ -191,8 +325,7 @@ def stage_md(results: dict, number: int) -> str:
     lines = ["<!-- Generated by `python -m course.results` from docs/results/bench.json. Do not edit by hand. -->",
              "", measured_on(results["environment"]), ""]
     if stages.get(number).kind == "decode":
-        decode = results["decode"]
-        lines += [decode_timing(decode), "", *decode_table(_rows_of_stage(decode["rows"], number), decode["rows"])]
+        lines += [decode_timing(results["decode"]), "", *decode_stage_lines(results["decode"], number, "../results")]
     else:
         rows = _rows_of_stage(results["rows"], number)
         if number == 8 and any(in_sweep(r) for r in rows):
@@ -238,18 +371,34 @@ def stage_file(number: int) -> str:
     return f"stage{number:02d}.md"
 
 
+def merged_rows(earlier: list[dict], later: list[dict]) -> list[dict]:
+    """``earlier``'s rows that ``later`` did not time again, then ``later``'s: rows are keyed by shape and kernel."""
+    timed = {(r["label"], r["kernel"]) for r in later}
+    return [r for r in earlier if (r["label"], r["kernel"]) not in timed] + later
+
+
+def in_shape_order(rows: list[dict]) -> list[dict]:
+    """Rows grouped by shape (in the order shapes first appear), the stages' rows before the baselines'."""
+    shape_order = {label: i for i, label in enumerate(dict.fromkeys(r["label"] for r in rows))}
+    return sorted(rows, key=lambda r: (shape_order[r["label"]], r["stage"] is None, r["stage"] or 0))
+
+
 def merge(runs: list[dict]) -> dict:
-    """One results dict from several bench runs on the same GPU: rows are keyed by shape and kernel, and a
-    later run's row replaces an earlier run's; the environment is the first run's."""
+    """One results dict from several bench runs on the same GPU: prefill and decode rows are keyed by shape
+    and kernel, and a later run's row replaces an earlier run's, so runs of a part each (`course bench
+    --groupings`) add up; the environment and the decode copy bandwidth are the first run's, stage 8's
+    ablation the last run's that has one."""
     merged = {"environment": runs[0]["environment"], "rows": []}
     for run in runs:
-        timed = {(r["label"], r["kernel"]) for r in run.get("rows", [])}
-        merged["rows"] = [r for r in merged["rows"] if (r["label"], r["kernel"]) not in timed] + run.get("rows", [])
-        for key in ("ablation", "decode"):
-            if run.get(key):
-                merged[key] = run[key]
-    shape_order = {label: i for i, label in enumerate(dict.fromkeys(r["label"] for r in merged["rows"]))}
-    merged["rows"].sort(key=lambda r: (shape_order[r["label"]], r["stage"] is None, r["stage"] or 0))
+        merged["rows"] = merged_rows(merged["rows"], run.get("rows", []))
+        if run.get("ablation"):
+            merged["ablation"] = run["ablation"]
+        if run.get("decode"):
+            decode = merged.setdefault("decode", {**run["decode"], "rows": []})
+            decode["rows"] = merged_rows(decode["rows"], run["decode"]["rows"])
+    merged["rows"] = in_shape_order(merged["rows"])
+    if "decode" in merged:
+        merged["decode"]["rows"] = in_shape_order(merged["decode"]["rows"])
     return merged
 
 
@@ -268,6 +417,9 @@ def main(argv=None) -> int:
         (args.dir / "bench.json").write_text(json.dumps(merged, indent=2) + "\n")
     render(args.dir)
     print(f"wrote {args.dir / TABLES}, {args.dir / BENCH_MD} and the stage tables from {args.dir / 'bench.json'}")
+    if args.merge:  # the plots come from course.bench, which draws them from the merged rows without a GPU
+        print(f"the plots still show the runs before the merge: redraw them with "
+              f"`{stages.COURSE_COMMAND} bench --replot --out {args.dir}`")
     return 0
 
 

@@ -114,6 +114,13 @@ def launch_stage(number: int) -> None:
                                 sink_logits=torch.randn(8, device="cuda"))
         inputs = testing.random_decode_inputs([129, 5], 4, 4, 64, torch.bfloat16, seed=2)
         module.decode_attention(**inputs, num_splits=2)
+        if number >= 9:  # an FP8 cache, a group of 24 query heads (two CTAs of 16 rows), D = 256
+            from course import kv_cache
+
+            inputs = testing.random_decode_inputs([300, 17], 24, 1, 256, torch.float16, page_size=32, seed=3)
+            k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
+            module.decode_attention(**{**inputs, "k_cache": k8, "v_cache": v8}, k_scale=k_scale, v_scale=v_scale,
+                                    num_splits=2, return_lse=True)
     else:
         features = [{}]
         if number >= 4:

@@ -81,6 +81,10 @@ FA3_REFERENCE = (  # the shapes of the issue that set stage 8's targets
 )
 DECODE = tuple(DecodeShape(b, length, paged=paged) for paged in (False, True)
                for b in (1, 8, 64) for length in (4096, 32768, 131072))
+# Stage 9: every head grouping a serving engine meets (MHA, GQA 4, 8 and 16, MQA), same B, L and layouts.
+GROUPINGS = ((32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1))
+DECODE_GROUPINGS = tuple(DecodeShape(b, length, h_q, h_kv, paged=paged) for h_q, h_kv in GROUPINGS
+                         for paged in (False, True) for b in (1, 8, 64) for length in (4096, 32768, 131072))
 
 STAGES = [
     Stage(1, "single_tile", "Single-tile FMHA",
@@ -111,6 +115,9 @@ STAGES = [
           "ping-pong warpgroups, softmax under the GEMMs, persistent tiles, TMA-store epilogue", ready=True,
           bench_shapes=tuple(dict.fromkeys(FA3_REFERENCE + FA3_SWEEP)), starts_from=6,
           cpu_numerics=("l2_group", "coords")),
+    Stage(9, "tc_decode", "Tensor-core decode, FP8 KV cache",
+          "GQA packing on mma.sync, whole-row copies into swizzled warp tiles, an e4m3 cache with scales",
+          ready=True, kind="decode", bench_shapes=DECODE_GROUPINGS, starts_from=7),
 ]
 
 

@@ -235,9 +235,21 @@ def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=No
 
 def compare_decode_with_reference(out, *, q, k_cache, v_cache, cache_seqlens, block_table=None,
                                   **features) -> ErrorReport:
-    """Errors of a decode output and of PyTorch's own attention against the float64 reference."""
+    """Errors of a decode output and of PyTorch's own attention against the float64 reference.
+
+    An FP8 cache (``k_scale``, ``v_scale`` among the features): the reference
+    dequantizes it in float64, and PyTorch's attention runs in q's dtype on the
+    same dequantized cache, so the tolerance is PyTorch's error on the values
+    the FP8 cache stands for.
+    """
+    from course import kv_cache
+
     inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
     ref = reference.decode_attention(**inputs, **features).float()
+    k_scale, v_scale = features.pop("k_scale", None), features.pop("v_scale", None)
+    if k_scale is not None:
+        inputs.update(k_cache=kv_cache.dequantize(k_cache, k_scale, q.dtype),
+                      v_cache=kv_cache.dequantize(v_cache, v_scale, q.dtype))
     baseline = torch_decode_attention(**inputs, **features).float()
     diff = (out.float() - ref).abs()
     base = (baseline - ref).abs()

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("torch.float16", "torch.bfloat16")
+FP8_CACHE_DTYPE = "torch.float8_e4m3fn"  # the FP8 KV cache (stage 9): the cache holds K / k_scale, V / v_scale
+FP8_STAGE = (9, "tensor-core decode with an FP8 KV cache")
 INT32_MAX = 2**31 - 1  # the kernels take window sizes, sink-token and split counts as 32-bit ints
 # The kernels multiply scores by softmax_scale * log2(e) as a float32: it must be a normal float32
 # (a zero or denormal scale turns a masked score into -inf * 0 = NaN, an infinite one every score).
@@ -53,15 +55,15 @@ class AttentionShape:
     head_dim: int
 
 
-def _check_tensor(name: str, t, *, rank: int, layout: str) -> None:
+def _check_tensor(name: str, t, *, rank: int, layout: str, dtypes=SUPPORTED_DTYPES) -> None:
     import torch
 
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
     if t.dim() != rank:
         raise ValueError(f"{name} has shape {tuple(t.shape)} (rank {t.dim()}); expected rank {rank}: {layout}")
-    if str(t.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: torch.float16, torch.bfloat16")
+    if str(t.dtype) not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(dtypes)}")
     if t.numel() == 0:
         return  # no memory to lay out; the caller rejects the empty size by name
     if t.stride(-1) != 1:
@@ -69,10 +71,11 @@ def _check_tensor(name: str, t, *, rank: int, layout: str) -> None:
             f"{name} has stride {t.stride()}: its last dimension (head dim) must be contiguous "
             "(stride 1); call .contiguous() first"
         )
-    if any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+    per_16_bytes = 16 // t.element_size()
+    if any(s % per_16_bytes for s in t.stride()[:-1]) or t.data_ptr() % 16:
         raise ValueError(
-            f"{name} has strides {t.stride()} and address {t.data_ptr():#x}: TMA needs a 16-byte "
-            "aligned base and strides that are multiples of 8 elements; call .contiguous() first"
+            f"{name} has strides {t.stride()} and address {t.data_ptr():#x}: 16-byte copies need a 16-byte "
+            f"aligned base and strides that are multiples of {per_16_bytes} elements; call .contiguous() first"
         )
 
 
@@ -288,18 +291,31 @@ def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
 
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                         window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, return_lse=False,
-                        out=None, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256)) -> DecodeInputShape:
+                        out=None, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256), k_scale=None,
+                        v_scale=None, stage=7) -> DecodeInputShape:
     """Validate the decode API's arguments (shapes, dtypes, options); return the sizes.
 
     Only metadata is read here. The lengths themselves (values of
-    cache_seqlens and block_table) are checked by ``check_decode_lengths``.
+    cache_seqlens and block_table) are checked by ``check_decode_lengths``,
+    the FP8 scales' values by ``check_kv_scale_values``. ``stage``: the
+    calling stage; an FP8 cache (and its scales) needs stage 9.
     """
+    import torch
+
     _check_tensor("q", q, rank=3, layout="[batch, heads_q, head_dim]")
     cache_layout = ("[batch, S_max, heads_kv, head_dim] (contiguous cache) or "
                     "[num_pages, page_size, heads_kv, head_dim] with a block_table (paged cache)")
+    fp8 = any(isinstance(t, torch.Tensor) and str(t.dtype) == FP8_CACHE_DTYPE for t in (k_cache, v_cache))
+    if (fp8 or k_scale is not None or v_scale is not None) and stage < FP8_STAGE[0]:
+        raise NotImplementedError(f"an FP8 KV cache (float8_e4m3fn with k_scale, v_scale) is not implemented in "
+                                  f"stage {stage}; stage {FP8_STAGE[0]} ({FP8_STAGE[1]}) adds it")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, t, rank=4, layout=cache_layout)
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        _check_tensor(name, t, rank=4, layout=cache_layout, dtypes=(*SUPPORTED_DTYPES, FP8_CACHE_DTYPE))
+    if fp8:
+        if not (k_cache.dtype == v_cache.dtype):
+            raise TypeError(f"k_cache and v_cache must share one dtype; got k_cache {k_cache.dtype}, "
+                            f"v_cache {v_cache.dtype}")
+    elif not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache, v_cache must share one dtype; got q {q.dtype}, k_cache {k_cache.dtype}, "
                         f"v_cache {v_cache.dtype}")
     if k_cache.shape != v_cache.shape:
@@ -344,9 +360,47 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     _check_int32("num_splits", num_splits, minimum=0)
     _check_flag("return_lse", return_lse)
     _check_sink_logits(sink_logits, h_q)
+    _check_kv_scales(k_scale, v_scale, fp8=fp8, cache_dtype=k_cache.dtype, heads_kv=h_kv)
     if out is not None:
         _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
     return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages)
+
+
+def _check_kv_scales(k_scale, v_scale, *, fp8: bool, cache_dtype, heads_kv: int) -> None:
+    """An FP8 cache needs both scales: float32, [H_kv] or a scalar tensor; a 16-bit cache takes none."""
+    import torch
+
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale describe an FP8 cache (torch.float8_e4m3fn); the cache is "
+                             f"{cache_dtype}, so pass neither")
+        return
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"an FP8 cache needs {name}: the cache holds K / k_scale and V / v_scale "
+                             "(course.kv_cache.quantize_kv_cache returns both)")
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (float32, [H_kv] or a scalar); got {type(scale).__name__}")
+        if str(scale.dtype) != "torch.float32":
+            raise TypeError(f"{name} has dtype {scale.dtype}; expected torch.float32")
+        if tuple(scale.shape) not in ((), (heads_kv,)):
+            raise ValueError(f"{name} has shape {tuple(scale.shape)}; expected [H_kv] = [{heads_kv}] "
+                             "(one scale per KV head) or a scalar tensor")
+
+
+def check_kv_scale_values(k_scale, v_scale) -> None:
+    """The FP8 scales' values: finite and > 0 (a 0 scale erases the cache, NaN or inf poisons every output).
+
+    Reads the scales on the host: one device-to-host copy each, skipped inside CUDA graph capture.
+    """
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        values = scale.detach().to("cpu").reshape(-1)
+        bad = (~(values.isfinite() & (values > 0))).nonzero()
+        if len(bad):
+            h = int(bad[0])
+            raise ValueError(f"{name}[{h}] = {float(values[h])}; scales must be finite and > 0")
 
 
 def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from course import bench, diffs, reference, skeleton, stages, validation
+from course import results as results_page
 from course.__main__ import main
 
 
@@ -124,6 +125,80 @@ def test_decode_bench_times_both_layouts_of_a_shape_together():
         assert not contiguous.paged
         assert {(s.batch, s.seqlen_k, s.paged) for s in group} == {(contiguous.batch, contiguous.seqlen_k, False),
                                                                      (contiguous.batch, contiguous.seqlen_k, True)}
+
+
+# Made-up decode times (ms) of every kernel of a stage-9 run, the same on every shape: SDPA has no paged cache.
+DECODE_MS = {"stage 9": 0.4, "stage 9 fp8": 0.25, "stage 7": 0.5, "SDPA cuDNN": 0.44, "SDPA flash": 0.45, "FA4": 0.8}
+
+
+def fake_decode_results(groupings) -> dict:
+    """A results dict as `course bench --stage 9` writes it (rows from bench.decode_row), at DECODE_MS, on stage
+    9's shapes of ``groupings`` at B=8, L=4k and 32k: made up, never written anywhere."""
+    rows = []
+    for shape in stages.get(9).bench_shapes:
+        if (shape.heads_q, shape.heads_kv) not in groupings or shape.batch != 8 or shape.seqlen_k > 32768:
+            continue
+        for kernel, ms in DECODE_MS.items():
+            if not (shape.paged and kernel.startswith("SDPA")):
+                stage = int(kernel.split()[1]) if kernel.startswith("stage") else None
+                kv_bytes = shape.kv_bytes // 2 if kernel.endswith(results_page.FP8_SUFFIX) else shape.kv_bytes
+                rows.append(bench.decode_row(kernel, shape, stage=stage, kv_bytes=kv_bytes, ms=ms, eager_ms=1.25 * ms,
+                                             host_us=50.0, copy_gbps=3000.0))
+    bench.add_fp8_speedups(rows)
+    environment = {"gpu": "GPU", "driver": "1", "torch": "2", "cuda": "13", "cudnn": 91900,
+                   "nvidia_cutlass_dsl": "4", "date": "today"}
+    return {"environment": environment, "rows": [], "decode": {"copy_gbps": 3000.0, "graph_calls": 10, "rows": rows}}
+
+
+def test_stage9_results_have_a_table_per_head_grouping():
+    """GB/s per kernel, the ratio to cuDNN (a paged row: cuDNN on the contiguous cache), the FP8 kernel's tokens/s and
+    its speed-up over the 16-bit cache; stage 7's table keeps one row per (shape, kernel), on its own shapes."""
+    results = fake_decode_results([(32, 8), (64, 1)])
+    page = results_page.stage_md(results, 9)
+    assert "**H_q = 32, H_kv = 8 (GQA, group 4)**" in page and "**H_q = 64, H_kv = 1 (MQA)**" in page
+    assert ("| B | L | layout | stage 9 | stage 9 fp8 | stage 7 | SDPA cuDNN | SDPA flash | FA4 | stage 9 vs cuDNN | "
+            "stage 9 fp8 M tokens/s | fp8 vs 16-bit tokens/s | stage 9 graph (ms) | stage 9 eager (ms) |") in page
+    # B=8 L=32k H_kv=8: 1 GiB of fp16 K and V; stage 9 at 0.4 ms reads it at 2684 GB/s, its fp8 half at 0.25 ms
+    # at 2147 GB/s, 8 * 32768 tokens / 0.25 ms = 1,049 M tokens/s, 1.60x stage 9's on the 16-bit cache.
+    same_on_both_layouts = "| 1.10x | 1,049 | 1.60x | 0.400 | 0.500 |"
+    assert "| 8 | 32k | contiguous | 2684 | 2147 | 2147 | 2440 | 2386 | 1342 " + same_on_both_layouts in page
+    assert "| 8 | 32k | paged 64 | 2684 | 2147 | 2147 | - | - | 1342 " + same_on_both_layouts in page
+    assert f"(../results/{results_page.GROUPINGS_PLOT})" in page
+    assert f"(results/{results_page.GROUPINGS_PLOT})" in results_page.tables(results)
+    stage7 = results_page.stage_md(results, 7)
+    assert "| B=8 L=32768 H_q=32 H_kv=8 D=128 float16 paged 64 | **stage 9 fp8** |" in stage7
+    assert "H_kv=1" not in stage7, "stage 7's table shows its own shapes, not every grouping stage 9 times it on"
+
+
+def test_stage9_plot_has_a_panel_per_grouping_and_batch():
+    figure = bench.decode_groupings_figure(fake_decode_results([(32, 8), (64, 1)]))
+    assert [ax.get_title() for ax in figure.axes] == ["H_q/H_kv 32/8 (GQA, group 4), B=8",
+                                                      "H_q/H_kv 64/1 (MQA), B=8"]
+    assert bench.decode_groupings_figure(fake_decode_results([])) is None
+
+
+def test_merging_decode_runs_of_some_groupings_keeps_every_row():
+    """`course bench --groupings` runs in parts; `course.results --merge` must add their rows up."""
+    full = fake_decode_results([(32, 8), (64, 1)])
+    parts = [fake_decode_results([grouping]) for grouping in [(32, 8), (64, 1)]]
+    merged = results_page.merge(parts)["decode"]["rows"]
+    assert sorted((r["label"], r["kernel"]) for r in merged) == sorted(
+        (r["label"], r["kernel"]) for r in full["decode"]["rows"])
+
+
+def test_bench_groupings_select_decode_shapes():
+    assert set(bench.decode_shapes([9], ((32, 8),))) == set(stages.get(7).bench_shapes)
+    with pytest.raises(SystemExit, match="no bench shape of stage 7 has the head grouping 64/1"):
+        bench.decode_shapes([7], ((64, 1),))
+
+
+def test_fp8_copy_is_quantize_kv_cache_head_by_head():
+    """The bench quantizes one KV head at a time (less memory); the scales are per head, so the cache is the same."""
+    from course.kv_cache import quantize_kv_cache
+
+    k, v = torch.randn(2, 2, 64, 3, 16).mul(torch.tensor([1.0, 5.0, 0.1]).view(1, 1, 3, 1)).to(torch.float16).unbind(0)
+    for ours, theirs in zip(bench.fp8_copy(k, v), quantize_kv_cache(k, v)):
+        assert ours.dtype == theirs.dtype and torch.equal(ours.float(), theirs.float())
 
 
 def course_imports() -> dict[str, set[str]]:

@@ -1,0 +1,1010 @@
+"""Stage 9: decode on tensor cores (GQA packing) and an FP8 KV cache.
+
+Compared with stage 7, this stage moves decode's dot products onto the
+tensor cores, with all the query heads of a KV head packed into the rows of
+one warp-level MMA, and reads an FP8 (e4m3) cache, because at 8 and more
+query heads per KV head stage 7's CUDA-core math, not memory, is the limit
+(0.71x of cuDNN at 64/8), and in a memory-bound kernel half the bytes per
+token is the biggest lever left.
+
+Everything around the math is stage 7's: one CTA per (sequence, KV head,
+split), K and V copied with cp.async into a shared-memory ring, STAGES - 1
+iterations ahead; visible keys enumerated directly (sink tokens, then the
+window); the split's partial written to an fp32 workspace and merged by the
+CTA that arrives last on a per-(sequence, KV head) counter, which it resets
+for the next launch. What changes:
+
+1. GQA packing: the group's query heads are the 16 rows (M) of
+   ``mma.sync.m16n8k16``; a group of G <= 16 heads is one CTA (rows G..15
+   compute and are never stored), a larger group takes ceil(G / 16) CTAs.
+   Each of the 4 warps takes its own 16 keys per loop iteration: S = Q K^T is
+   2 MMAs per 16 columns of D (K's 8 keys are N), P V is one MMA per 8 columns
+   of D (the 16 keys are K), and P never leaves the registers: the MMA's
+   accumulator layout for S is its operand layout for P.
+2. Whole-row copies, fragment-order reads: each warp copies its 16 keys' K
+   and V rows whole (lane l copies 16-byte chunk l % chunks of a row, so
+   every copy instruction reads whole rows, like stage 7's) into its own
+   tiles [16 rows, chunks, 16 bytes] of the ring, with an XOR swizzle of the
+   chunk index so that each fragment read (8 lanes, one 128-byte wavefront)
+   hits 8 different bank groups; ``sync_warp`` before the reads (rows other
+   lanes copied) and before a stage is refilled. Then, since a dot product may
+   visit D in any order and P V the keys in any order, each thread reads
+   exactly the K and V elements its MMA fragments hold into compact
+   fragments; Q is loaded once in the same order. (Copying only each lane's
+   own fragment elements made L2 serve K rows in 64-byte half lines: 54% L2
+   hit rate under ncu, ~0.85x of cuDNN; whole rows reach 0.96-1.0x.) At
+   D = 256, Q's fragment waits in shared memory and P V runs in two halves,
+   to fit the registers.
+3. FP8: the cache holds K / k_scale and V / v_scale in e4m3. The pieces are
+   converted to fp16 in registers (e4m3 -> f16 is exact), k_scale is folded
+   into the softmax scale and v_scale into the split's output: two multiplies
+   per row, none per element. The bytes per token halve.
+4. The split count comes from B x H_kv x ceil(G / 16) CTAs, not from H_q.
+
+Run it:
+    python -m course check 9 --impl solutions   # this stage's tests
+    python solutions/stage09_tc_decode.py       # one launch against the reference (needs a Hopper GPU)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float16, Float32, Int32
+from cutlass.cute.nvgpu import LoadCacheMode, cpasync, warp
+from cutlass.memory import SmemAllocator
+
+from course import launch, validation
+from course.compile import cross_compile, cute_dtype, symbolic_tensor
+
+STAGE = 9
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask
+CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
+ROWS = 16  # query heads one CTA computes: the M of mma.sync.m16n8k16
+NUM_WARPS = 4
+NUM_THREADS = 32 * NUM_WARPS
+KEYS_PER_WARP = 16  # keys a warp takes per loop iteration: 2 MMA columns blocks (N = 8) of S, one K block of P V
+KEYS_PER_ITERATION = NUM_WARPS * KEYS_PER_WARP
+# Iterations of K/V in flight: each warp copies the next STAGES - 1 iterations' rows into its tiles
+# of a shared-memory ring with cp.async while it computes.
+STAGES = 3
+SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+MIN_KEYS_PER_SPLIT = 128  # the auto split count never gives a split fewer keys than this
+SPLIT_CTAS_PER_SM = 2  # CTAs per SM the auto split count aims at for few sequences (stage 7's choice)
+# The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
+REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 252, (256, 2): 255, (64, 1): 168, (128, 1): 216, (256, 1): 255}
+# Register spill ptxas may leave, by (head dim, cache bytes): at D = 256 with a 16-bit cache the O
+# accumulator alone is 128 registers and ptxas, at its 255 cap, keeps 8-12 bytes in local memory.
+SPILL_BYTES = {(256, 2): 16}
+
+
+def cache_bytes(cache_dtype: str) -> int:
+    return 1 if cache_dtype == "float8_e4m3fn" else 2
+
+
+def k_piece(cache_dtype: str) -> int:
+    """Elements of one 16-byte piece of a K row: 8 (fp16, bf16) or 16 (fp8)."""
+    return 16 // cache_bytes(cache_dtype)
+
+
+def v_piece(cache_dtype: str, head_dim: int) -> int:
+    """Elements of one piece of a V row: a thread holds D / 8 of them, 16 bytes at most at a time."""
+    return min(16 // cache_bytes(cache_dtype), head_dim // 8)
+
+
+def work_bytes(head_dim: int, cache_dtype: str) -> int:
+    """Shared memory for the cp.async ring, reused by the merge: the larger of the two.
+
+    The ring holds STAGES iterations of every warp's 16 keys (K and V rows);
+    the merge holds every warp's max, sum and O rows (fp32) for the 16 heads.
+    """
+    ring = STAGES * KEYS_PER_ITERATION * 2 * head_dim * cache_bytes(cache_dtype)
+    merge = 4 * NUM_WARPS * ROWS * (head_dim + 2)
+    return max(ring, merge)
+
+
+def q_fragment_bytes(head_dim: int) -> int:
+    """Shared memory for Q's MMA fragment (D > 128 only): 32 lanes x D / 2 values of 2 bytes."""
+    return 32 * head_dim if head_dim > 128 else 4
+
+
+def combine_loads(head_dim: int) -> int:
+    """16-byte partial-O loads each thread of the last CTA keeps in flight: 16 at D <= 128, 8 at 256
+    (more would spill: the MMA fragments already hold most of the registers)."""
+    return 16 if head_dim <= 128 else 4
+
+
+# --8<-- [start:split_ranges]
+def split_range(num_visible: int, num_splits: int, split: int) -> tuple[int, int]:
+    """[begin, end) of the visible keys (in enumeration order) that ``split`` reads.
+
+    The visible keys are cut into ``num_splits`` equal chunks, each rounded up
+    to whole loop iterations (KEYS_PER_ITERATION keys); splits past the end
+    get an empty range. The kernel computes exactly this.
+    """
+    step = KEYS_PER_ITERATION
+    chunk = -(-num_visible // num_splits)
+    chunk = -(-chunk // step) * step
+    begin = min(split * chunk, num_visible)
+    return begin, min(begin + chunk, num_visible)
+# --8<-- [end:split_ranges]
+
+
+def visible_keys_of(seqlen: int, window_size_left: int, num_sink_tokens: int) -> list[int]:
+    """The keys a query at position seqlen - 1 sees, in the order the kernel enumerates them."""
+    lo = max(0, seqlen - 1 - window_size_left) if window_size_left >= 0 else 0
+    return list(range(min(num_sink_tokens, lo))) + list(range(lo, seqlen))
+
+
+# --8<-- [start:key_range]
+@cute.jit
+def visible_key_range(seqlen: Int32, window_left: Int32, num_sink_tokens: Int32):
+    """(window start, sink keys before it, number of visible keys) for one sequence.
+
+    The query sits at position seqlen - 1 and sees keys [lo, seqlen), where lo
+    is 0 without a window; keys j < num_sink_tokens stay visible below lo. The
+    visible keys are enumerated as v = 0, 1, ...: first the n_sink sink keys,
+    then the window, so key(v) = v for v < n_sink and v - n_sink + lo after.
+    Keys outside the window are never touched, not even as masked loads.
+    """
+    lo = Int32(0)
+    if window_left >= 0:
+        lo = cutlass.max(seqlen - 1 - window_left, Int32(0))
+    n_sink = cutlass.min(num_sink_tokens, lo)
+    return lo, n_sink, n_sink + seqlen - lo
+# --8<-- [end:key_range]
+
+
+# --8<-- [start:partial]
+@cute.jit
+def split_partial(maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor, h: Int32, quad: Int32,
+                  o: cute.Tensor) -> Float32:
+    """Merge the thread groups' states for head h into the split's O (4 columns) and LSE.
+
+    ``maxes[g, h]``, ``sums[g, h]``, ``accs[g, h, d]`` hold group g's running
+    max (log2 units), sum and unnormalized O. ``o`` receives columns
+    4 * quad .. 4 * quad + 3 of O, normalized by the split's own sum. Returns
+    the split's LSE in log2 units (-inf, and O = 0, when the split saw no key).
+    """
+    num_groups = cute.size(maxes, mode=[0])
+    part = cute.make_rmem_tensor((4,), Float32)
+    # [exercise 7] The split's statistics: M = max over groups of maxes[g, h] (cute.arch.fmax; 0 if -inf); w_g = cute.math.exp2(maxes[g, h] - M, fastmath=True); L = sum w_g * sums[g, h]; o = sum w_g * (group g's 4 columns: cute.autovec_copy(cute.local_tile(accs[g, h, None], (4,), (quad,)), part)). Then o *= 1 / L; return M + cute.math.log2(L, fastmath=True); when L == 0: o = 0 and -inf (cutlass.select_).
+    big = -Float32.inf
+    for g in cutlass.range_constexpr(num_groups):
+        big = cute.arch.fmax(big, maxes[g, h])
+    big = Float32(cutlass.select_(big == -Float32.inf, Float32(0.0), big))
+    total = Float32(0.0)
+    o.fill(0.0)
+    for g in cutlass.range_constexpr(num_groups):
+        w = cute.math.exp2(maxes[g, h] - big, fastmath=True)
+        total = total + w * sums[g, h]
+        cute.autovec_copy(cute.local_tile(accs[g, h, None], (4,), (quad,)), part)
+        for i in cutlass.range_constexpr(4):
+            o[i] = o[i] + w * part[i]
+    empty = total == Float32(0.0)
+    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / total))
+    for i in cutlass.range_constexpr(4):
+        o[i] = o[i] * inv_total
+    lse = Float32(cutlass.select_(empty, -Float32.inf, big + cute.math.log2(total, fastmath=True)))
+    # [/exercise]
+    return lse
+# --8<-- [end:partial]
+
+
+# --8<-- [start:arrive]
+@cute.jit
+def arrive_and_elect_last(counter: cute.Pointer, num_splits: Int32, s_flag: cute.Tensor) -> Int32:
+    """Count this CTA's split as done; return 1 in every thread of the CTA that finished last.
+
+    Call it after every thread has stored its part of the split's partial.
+    The partials of all splits must be visible to the last CTA before it reads
+    them: the barrier orders this CTA's stores before thread 0's atomic, whose
+    release half publishes them at gpu scope, and the atomic of the last
+    arriver also acquires every earlier CTA's release.
+    """
+    tidx, _, _ = cute.arch.thread_idx()
+    cute.arch.sync_threads()  # every thread's partial stores happen before thread 0's release
+    if tidx == 0:
+        # [exercise 7] Thread 0: the atomic add of 1 on the counter, cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu"); it returns the count before; store 1 in s_flag[0] if this CTA is the last (old count == num_splits - 1), else 0.
+        arrived_before = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        is_last = arrived_before == num_splits - 1
+        s_flag[0] = Int32(cutlass.select_(is_last, Int32(1), Int32(0)))
+        # [/exercise]
+        if s_flag[0] == 1:
+            # [exercise 7] The last CTA resets the counter to 0 with a relaxed gpu-scope store (cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")), so the next launch and every CUDA graph replay start from zero.
+            cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
+            # [/exercise]
+    cute.arch.sync_threads()  # the flag is in shared memory for everybody
+    return s_flag[0]
+# --8<-- [end:arrive]
+
+
+# --8<-- [start:combine]
+@cute.jit
+def fold_in_split(lse: Float32, part: cute.Tensor, state: cute.Tensor, o: cute.Tensor):
+    """Fold one split's partial into a running combine: the online softmax again, now over splits.
+
+    ``lse``: the split's LSE (log2 units, -inf for a split that saw no key);
+    ``part``: 4 columns of its normalized O. ``state[0]``: the running max M
+    of the LSEs so far; ``state[1]``: the running total, sum_s exp2(lse_s - M);
+    ``o``: sum_s exp2(lse_s - M) * O_s for the same 4 columns.
+    """
+    # [exercise 7] New max m = cute.arch.fmax(state[0], lse), 0 instead of m while it is -inf (cutlass.select_); rescale state[1] and o by cute.math.exp2(state[0] - m, fastmath=True); add w = exp2(lse - m) to state[1] and w * part to o; store m in state[0].
+    new_max = cute.arch.fmax(state[0], lse)
+    safe_max = Float32(cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max))
+    correction = cute.math.exp2(state[0] - safe_max, fastmath=True)
+    w = cute.math.exp2(lse - safe_max, fastmath=True)
+    state[1] = state[1] * correction + w
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = o[i] * correction + w * part[i]
+    state[0] = new_max
+    # [/exercise]
+
+
+@cute.jit
+def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_sink: cutlass.Constexpr):
+    """After the last split: fold in the sink logit (once, here), normalize o; return the LSE (log2 units).
+
+    A sink adds exp2(sink - M) to the denominator only. An all-empty row (no
+    visible key, no sink) has total 0: O = 0 and LSE = -inf, never NaN.
+    """
+    # [exercise 7] With has_sink (cutlass.const_expr): fold the sink in with fold_in_split, as a split whose LSE is sink_log2 and whose columns are all 0 (a cute.make_rmem_tensor filled with 0). Then o *= 1 / state[1] (0 when the total is 0); return M + cute.math.log2(total, fastmath=True), or -inf when the total is 0 (cutlass.select_).
+    if cutlass.const_expr(has_sink):
+        no_columns = cute.make_rmem_tensor((cute.size(o),), Float32)
+        no_columns.fill(0.0)
+        fold_in_split(sink_log2, no_columns, state, o)
+    empty = state[1] == Float32(0.0)
+    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / state[1]))
+    for i in cutlass.range_constexpr(cute.size(o)):
+        o[i] = o[i] * inv_total
+    lse = Float32(cutlass.select_(empty, -Float32.inf, state[0] + cute.math.log2(state[1], fastmath=True)))
+    # [/exercise]
+    return lse
+# --8<-- [end:combine]
+
+
+# --8<-- [start:fragments]
+# Which keys and columns a thread's MMA fragments hold (lane = 4 * g + kq, g = lane // 4, kq = lane % 4).
+# m16n8k16 gives thread (g, kq): of A (16 x 16), rows g and g + 8, columns 2kq, 2kq + 1, 2kq + 8, 2kq + 9;
+# of B (16 x 8), column g, rows 2kq, 2kq + 1, 2kq + 8, 2kq + 9; of C (16 x 8), rows g and g + 8,
+# columns 2kq and 2kq + 1.
+def v_slot_key(slot: int, kq):
+    """The key (0..15 of the warp's 16) that value ``slot`` of a thread's V fragment holds: P V's B
+    operand rows 2kq, 2kq + 1, 8 + 2kq, 8 + 2kq + 1 (P's columns in this thread)."""
+    return 8 * (slot // 2) + 2 * kq + slot % 2
+
+
+def swizzle(row, chunks: int):
+    """Where 16-byte chunk c of tile row ``row`` lives: chunk c ^ swizzle(row).
+
+    The fragments read 8 lanes at a time (one shared-memory wavefront of 128
+    bytes): K reads rows g, g + 1 at chunks 4p + kq; V reads rows 2kq (+ 1)
+    at chunk 8p + g. Bit 2 of the XOR separates rows 2i and 2i + 1, bits 1-2
+    separate rows 0, 2, 4, 6: every wavefront hits 8 different bank groups.
+    """
+    return (((row & 1) << 2) ^ (((row >> 1) & 3) << 1)) & (chunks - 1)
+
+
+def score_key(value: int, kq):
+    """The key (0..15) of value ``value`` of a thread's S fragment ((2, 2), 1, 2): C columns 2kq, 2kq + 1."""
+    return 8 * (value // 4) + 2 * kq + value % 2
+
+
+def score_row(value: int) -> int:
+    """0 for the thread's head g, 1 for head g + 8 (C rows)."""
+    return (value // 2) % 2
+
+
+def o_column(value: int, kq, v_piece_elems: int):
+    """The head-dim column of value ``value`` of a thread's O fragment ((2, 2), 1, D / 8).
+
+    O's columns are P V's N: an 8-column block nb of the MMA holds, in column n, the
+    element nb % EV of the piece of V that the B operand's column n (thread g = n) loaded,
+    piece nb // EV: column (nb // EV) * 8 * EV + n * EV + nb % EV.
+    """
+    nb, n = value // 4, 2 * kq + value % 2
+    return (nb // v_piece_elems) * 8 * v_piece_elems + n * v_piece_elems + nb % v_piece_elems
+# --8<-- [end:fragments]
+
+
+def flat(t: cute.Tensor) -> cute.Tensor:
+    """A compact register fragment as a flat vector of its values."""
+    return cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
+
+
+# --8<-- [start:softmax]
+@cute.jit
+def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
+    """Fold one warp's 16 new keys into its running softmax, for the thread's two heads (rows g, g + 8).
+
+    ``scores``: the S fragment (8 values, see ``score_row``), already in exp2
+    units and -inf for keys past the split's end; on return it holds the
+    numerators p = exp2(s - max). ``acc_o``: the O fragment (4 values per
+    8 columns; values 2, 3 of each 4 are row g + 8). ``row_max``: the running
+    max of each row, the same in the 4 threads of a row (a quad); ``row_sum``:
+    this thread's part of the row's sum (the quad's parts are added at the end).
+    """
+    # TODO(stage 9): For each row r in (0, 1): m = the max of the row's 4 scores in this thread (values with score_row(v) == r), then over the quad (cute.arch.warp_reduction_max(m, threads_in_group=4)); new max = fmax(row_max[r], m), 0 instead while -inf; correction = exp2(row_max[r] - new max); rescale row_sum[r] and the row's O values; scores -> exp2(score - new max), added to row_sum[r]; store the new max.
+    raise NotImplementedError("TODO(stage 9) in online_softmax_update(): For each row r in (0, 1): m = the max of the row's 4 scores in this thread (values with score_row(v) == r), then over the quad (cute.arch.warp_reduction_max(m, threads_in_group=4)); new max = fmax(row_max[r], m), 0 instead while -inf; correction = exp2(row_max[r] - new max); rescale row_sum[r] and the row's O values; scores -> exp2(score - new max), added to row_sum[r]; store the new max. Hints: docs/stages/09-tc-decode.md")
+# --8<-- [end:softmax]
+
+
+
+
+class TensorCoreDecode:
+    """Grid (num_splits, H_kv x head chunks, B); one CTA = one split of one KV head's keys, up to 16 query heads."""
+
+    num_threads = NUM_THREADS
+
+    def __init__(self, config: "DecodeConfig"):
+        self.q_dtype = config.cute_dtype
+        self.cache_dtype = cute_dtype(_torch_dtype(config.cache_dtype))
+        self.fp8 = config.cache_dtype == "float8_e4m3fn"
+        # The MMA's operand type: the query's, or fp16 for an fp8 cache (e4m3 -> f16 is exact).
+        self.mma_dtype = Float16 if self.fp8 else self.q_dtype
+        self.head_dim = config.head_dim
+        self.page_size = config.page_size  # 0: contiguous cache
+        self.has_sink = config.has_sink
+        self.write_lse = config.write_lse
+        self.k_elems = k_piece(config.cache_dtype)
+        self.v_elems = v_piece(config.cache_dtype, config.head_dim)
+        self.k_pieces = config.head_dim // 4 // self.k_elems  # a thread holds D / 4 of a K row
+        self.v_pieces = config.head_dim // 8 // self.v_elems  # and D / 8 of a V row
+        # The warp copies its 16 K (and V) rows as 16-byte chunks, a row's chunks on consecutive lanes:
+        # every copy instruction reads whole rows, 512 contiguous-per-row bytes.
+        self.chunks = config.head_dim // self.k_elems        # 16-byte chunks per row
+        self.rows_per_copy = 32 // self.chunks               # rows one copy instruction covers
+        self.copies = KEYS_PER_WARP // self.rows_per_copy    # copy instructions per 16 rows
+        # At D = 256 the O accumulator alone takes 128 registers: Q's fragment waits in shared memory
+        # and is read back every iteration (it is the same for every warp: one copy per lane).
+        self.q_in_shared = config.head_dim > 128
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,           # [B, H_q, D]
+        mK: cute.Tensor,           # [B, S_max, H_kv, D] or [pages, page_size, H_kv, D]
+        mV: cute.Tensor,
+        mSeqlens: cute.Tensor,     # [B] int32
+        mBlockTable: cute.Tensor,  # [B, max_pages] int32 (unused for a contiguous cache)
+        mSink: cute.Tensor,        # [H_q] float32 (unused without sinks)
+        mKScale: cute.Tensor,      # [H_kv] or [1] float32 (unused for a 16-bit cache)
+        mVScale: cute.Tensor,
+        mO: cute.Tensor,           # [B, H_q, D]
+        mLSE: cute.Tensor,         # [B, H_q] float32 (unused without return_lse)
+        mPartO: cute.Tensor,       # [B, H_q, num_splits, D] float32 workspace
+        mPartLSE: cute.Tensor,     # [B, H_q, num_splits] float32 workspace
+        mCounters: cute.Tensor,    # [>= B * H_kv * chunks] int32, zero between launches
+        scale_log2: Float32,
+        window_left: Int32,
+        num_sink_tokens: Int32,
+        stream,
+    ):
+        work_words = work_bytes(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16") // 4
+        q_words = q_fragment_bytes(self.head_dim) // 4
+
+        @cute.struct
+        class SharedStorage:
+            # First the cp.async ring (K, then V), then (same bytes) the warps' states for the merge.
+            work: cute.struct.Align[cute.struct.MemRange[Float32, work_words], 128]
+            q_fragment: cute.struct.Align[cute.struct.MemRange[Float32, q_words], 16]
+            flag: cute.struct.MemRange[Int32, 1]
+
+        self.shared_storage = SharedStorage
+
+        # --8<-- [start:grid]
+        batch, heads_q, heads_kv = mQ.shape[0], mQ.shape[1], mK.shape[2]
+        chunks = (heads_q // heads_kv + ROWS - 1) // ROWS
+        num_splits = mPartLSE.shape[2]
+        grid = (num_splits, heads_kv * chunks, batch)
+        # --8<-- [end:grid]
+        self.kernel(
+            mQ, mK, mV, mSeqlens, mBlockTable, mSink, mKScale, mVScale, mO, mLSE, mPartO, mPartLSE, mCounters,
+            scale_log2, window_left, num_sink_tokens,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=ctas_per_sm(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16"),
+                 preferred_smem_carveout=100)
+
+    # --8<-- [start:key_row]
+    @cute.jit
+    def cache_row(self, v: Int32, v_end: Int32, n_sink: Int32, lo: Int32) -> Int32:
+        """The token position of visible key ``v``; past the split's end, the split's last key (a valid row)."""
+        v = cutlass.min(v, v_end - 1)
+        return Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
+
+    @cute.jit
+    def lookup_pages(self, r_page: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, first: Int32,
+                     v_end: Int32, n_sink: Int32, lo: Int32, lane: Int32):
+        """Paged cache: ``r_page[i]``, the pool page of the row this lane copies in copy ``i``.
+
+        The main loop calls it one iteration before the copies that need the
+        pages, so the block-table load is in flight during a whole iteration.
+        ``first``: the warp's first key of that iteration. Contiguous: nothing.
+        """
+        if cutlass.const_expr(self.page_size != 0):
+            for i in cutlass.range_constexpr(self.copies):
+                row = self.cache_row(first + i * self.rows_per_copy + lane // self.chunks, v_end, n_sink, lo)
+                r_page[i] = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
+
+    @cute.jit
+    def kv_row(self, mKV: cute.Tensor, page_or_batch: Int32, row: Int32, head_kv: Int32) -> cute.Tensor:
+        """K (or V) at token ``row`` of ``head_kv``: of sequence ``page_or_batch`` in a contiguous
+        cache, of pool page ``page_or_batch`` in a paged one."""
+        if cutlass.const_expr(self.page_size == 0):
+            return mKV[page_or_batch, row, head_kv, None]
+        return mKV[page_or_batch, row & (self.page_size - 1), head_kv, None]  # row % page_size
+    # --8<-- [end:key_row]
+
+    # --8<-- [start:issue_loads]
+    @cute.jit
+    def issue_loads(self, sK: cute.Tensor, sV: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                    r_page: cute.Tensor, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
+                    n_sink: Int32, lo: Int32, lane: Int32):
+        """Start the cp.async copies of the warp's 16 keys from visible key ``first`` into its tiles
+        ``sK``, ``sV`` [16 rows, chunks, 16 bytes] of one ring stage.
+
+        Lane l copies chunk l % chunks of rows l // chunks, + rows_per_copy, ...:
+        each instruction reads whole rows of K (and V), as stage 7's copies do.
+        (Letting each lane copy only what its own fragments hold would read a K
+        row 64 bytes per instruction, and L2 serves half-lines at half speed.)
+        Past the split's end a lane re-reads the split's last key.
+        """
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
+                                   num_bits_per_copy=128)
+        chunk = lane % self.chunks
+        for i in cutlass.range_constexpr(self.copies):
+            tile_row = i * self.rows_per_copy + lane // self.chunks
+            row = self.cache_row(first + tile_row, v_end, n_sink, lo)
+            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else r_page[i]
+            at = swizzle(tile_row, self.chunks) ^ chunk
+            cute.copy(atom, cute.local_tile(self.kv_row(mK, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
+                      sK[tile_row, at, None])
+            cute.copy(atom, cute.local_tile(self.kv_row(mV, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
+                      sV[tile_row, at, None])
+    # --8<-- [end:issue_loads]
+
+    # --8<-- [start:to_registers]
+    @cute.jit
+    def piece_to_registers(self, piece: cute.Tensor) -> cute.Tensor:
+        """One of this thread's ring pieces in registers, in the MMA's type: e4m3 -> fp16 on the way (exact)."""
+        raw = cute.make_rmem_tensor((cute.size(piece),), self.cache_dtype)
+        cute.autovec_copy(piece, raw)
+        if cutlass.const_expr(not self.fp8):
+            return raw
+        converted = cute.make_rmem_tensor((cute.size(piece),), self.mma_dtype)
+        converted.store(raw.load().to(self.mma_dtype))
+        return converted
+
+    @cute.jit
+    def k_fragment(self, sK: cute.Tensor, r_k: cute.Tensor, g: Int32, kq: Int32):
+        """The B operand of S = Q K^T from the warp's K tile [16 rows, chunks, 16 bytes] of one stage.
+
+        ``r_k`` ((2, 2), 2 key blocks, D / 16 column blocks), in the MMA's value
+        order: value v of block kb is the column 2kq + v % 2 + 8 (v // 2) of the
+        block, of key 8j + g. The thread takes chunks kq, kq + 4, ... of that row:
+        element e of its p-th chunk is its column 4 kb + e % 4 with
+        kb = p * E / 4 + e // 4. Q's fragment takes the same columns, so the dot
+        products are complete (they visit D in another order).
+        """
+        elems = self.k_elems
+        for j in cutlass.range_constexpr(2):
+            row = 8 * j + g
+            for p in cutlass.range_constexpr(self.k_pieces):
+                piece = self.piece_to_registers(sK[row, swizzle(row, self.chunks) ^ (4 * p + kq), None])
+                for e in cutlass.range_constexpr(elems):
+                    # TODO(stage 9): Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8).
+                    raise NotImplementedError('TODO(stage 9) in k_fragment(): Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8). Hints: docs/stages/09-tc-decode.md')
+
+    @cute.jit
+    def v_fragment(self, sV: cute.Tensor, r_v: cute.Tensor, g: Int32, kq: Int32, first_piece: int):
+        """The B operand of O = P V from the warp's V tile of one stage (the column blocks of
+        pieces ``first_piece``, ...: all of them, or half at D = 256).
+
+        ``r_v`` ((2, 2), column blocks, 1): value v holds key
+        ``v_slot_key(v, kq)`` (P's columns in this thread), in column g of block
+        nb: the thread reads EV elements of each of those 4 rows at
+        (8p + g) * EV, and element e of piece p is block p * EV + e. Each 32-bit
+        register pairs two keys: the packing is where ldmatrix.trans would
+        otherwise transpose V.
+        """
+        elems = self.v_elems
+        for slot in cutlass.range_constexpr(4):
+            row = v_slot_key(slot, kq)
+            for p in cutlass.range_constexpr(cute.size(r_v, mode=[1]) // elems):
+                start = (8 * (first_piece + p) + g) * elems  # the piece's first element in the row
+                chunk = sV[row, swizzle(row, self.chunks) ^ (start // self.k_elems), None]
+                piece = self.piece_to_registers(cute.local_tile(chunk, (elems,), ((start % self.k_elems) // elems,)))
+                for e in cutlass.range_constexpr(elems):
+                    # TODO(stage 9): Value slot of column block p * elems + e (r_v is compact: strides 1, 4).
+                    raise NotImplementedError('TODO(stage 9) in v_fragment(): Value slot of column block p * elems + e (r_v is compact: strides 1, 4). Hints: docs/stages/09-tc-decode.md')
+    # --8<-- [end:to_registers]
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mSink: cute.Tensor,
+        mKScale: cute.Tensor,
+        mVScale: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mPartO: cute.Tensor,
+        mPartLSE: cute.Tensor,
+        mCounters: cute.Tensor,
+        scale_log2: Float32,
+        window_left: Int32,
+        num_sink_tokens: Int32,
+    ):
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        split, kv_chunk, batch = cute.arch.block_idx()
+        num_splits, kv_ctas, _ = cute.arch.grid_dim()
+
+        # --8<-- [start:heads]
+        # GQA packing: the CTA's query heads are up to 16 consecutive heads of one KV head's group,
+        # the rows of the MMAs.
+        group_size = mQ.shape[1] // mK.shape[2]
+        chunks = (group_size + ROWS - 1) // ROWS
+        head_kv = kv_chunk // chunks
+        first_head = head_kv * group_size + (kv_chunk % chunks) * ROWS
+        heads_here = cutlass.min(group_size - (kv_chunk % chunks) * ROWS, Int32(ROWS))
+        # --8<-- [end:heads]
+
+        # --8<-- [start:threads]
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        g = lane // 4   # the thread's MMA rows g, g + 8 and B column g
+        kq = lane % 4   # its MMA columns 2kq, 2kq + 1 (+ 8)
+        # --8<-- [end:threads]
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        # [stage, warp, row, chunk, 16 bytes]: each warp's K and V tiles of 16 rows per stage.
+        ring = cute.make_ordered_layout((STAGES, NUM_WARPS, KEYS_PER_WARP, self.chunks, self.k_elems),
+                                        order=(4, 3, 2, 1, 0))
+        sK = storage.work.get_tensor(ring, dtype=self.cache_dtype)
+        k_ring_words = STAGES * KEYS_PER_ITERATION * d * self.cache_dtype.width // 32
+        sV = cute.make_tensor(cute.recast_ptr(storage.work.data_ptr() + k_ring_words, dtype=self.cache_dtype), ring)
+        # After the main loop the ring is free: the merge reuses its bytes.
+        work = storage.work.data_ptr()
+        s_max = cute.make_tensor(work, cute.make_layout((NUM_WARPS, ROWS), stride=(ROWS, 1)))
+        s_sum = cute.make_tensor(work + NUM_WARPS * ROWS, cute.make_layout((NUM_WARPS, ROWS), stride=(ROWS, 1)))
+        s_acc = cute.make_tensor(work + 2 * NUM_WARPS * ROWS,
+                                 cute.make_layout((NUM_WARPS, ROWS, d), stride=(ROWS * d, d, 1)))
+        s_flag = storage.flag.get_tensor(cute.make_layout(1))
+
+        # --8<-- [start:fragments_setup]
+        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)))
+        # Q as the A operand of S = Q K^T, loaded once, ((2, 2, 2), 1, D / 16) in the MMA's value order
+        # (column + 1, row + 8, column + 8): rows g, g + 8 (heads), the columns of this thread's K pieces.
+        r_q = cute.make_rmem_tensor(((2, 2, 2), 1, d // 16), self.mma_dtype)
+        for r in cutlass.range_constexpr(2):
+            head = first_head + cutlass.min(g + 8 * r, heads_here - 1)  # spare rows repeat a real head
+            for p in cutlass.range_constexpr(self.k_pieces):
+                raw = cute.make_rmem_tensor((self.k_elems,), self.q_dtype)
+                cute.autovec_copy(cute.local_tile(mQ[batch, head, None], (self.k_elems,), (4 * p + kq,)), raw)
+                piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
+                piece.store(raw.load().to(self.mma_dtype))
+                for e in cutlass.range_constexpr(self.k_elems):
+                    # TODO(stage 9): Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8).
+                    raise NotImplementedError('TODO(stage 9) in kernel(): Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8). Hints: docs/stages/09-tc-decode.md')
+        # [lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
+        s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
+                               cute.make_ordered_layout((32, d // 16, 8), order=(1, 2, 0)))
+        r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
+        if cutlass.const_expr(self.q_in_shared):
+            if warp_idx == 0:
+                cute.autovec_copy(r_q_pieces, s_q[lane, None, None])
+            cute.arch.sync_threads()
+        r_k = cute.make_rmem_tensor(((2, 2), 2, d // 16), self.mma_dtype)
+        # P V in parts of the head dim: at D = 256 half of V's fragment at a time (registers).
+        pv_parts = 2 if self.q_in_shared else 1
+        r_v = cute.make_rmem_tensor(((2, 2), d // 8 // pv_parts, 1), self.mma_dtype)
+        # S (16 heads x 16 keys) and O (16 heads x D) accumulators, and P, S's values as P V's A operand.
+        r_s = cute.make_rmem_tensor(((2, 2), 1, 2), Float32)
+        r_p = cute.make_rmem_tensor(((2, 2, 2), 1, 1), self.mma_dtype)
+        acc_o = cute.make_rmem_tensor(((2, 2), 1, d // 8), Float32)
+        # --8<-- [end:fragments_setup]
+
+        # --8<-- [start:split]
+        # The split's slice [v_begin, v_end) of the sequence's visible keys.
+        if cutlass.const_expr(self.page_size == 0):
+            capacity = mK.shape[1]
+        else:
+            capacity = mBlockTable.shape[1] * self.page_size
+        seqlen = cutlass.max(cutlass.min(mSeqlens[batch], capacity), Int32(0))  # never outside the cache
+        lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
+        step = KEYS_PER_ITERATION
+        chunk = (num_visible + num_splits - 1) // num_splits
+        chunk = (chunk + step - 1) // step * step
+        v_begin = cutlass.min(split * chunk, num_visible)
+        v_end = cutlass.min(v_begin + chunk, num_visible)
+        num_iters = (v_end - v_begin + step - 1) // step
+        # --8<-- [end:split]
+
+        # --8<-- [start:scales]
+        # An fp8 cache holds K / k_scale: q . k = k_scale * (q . k8), so k_scale joins the softmax scale.
+        score_scale = scale_log2
+        if cutlass.const_expr(self.fp8):
+            score_scale = scale_log2 * mKScale[cutlass.min(head_kv, mKScale.shape[0] - 1)]
+        # --8<-- [end:scales]
+
+        # --8<-- [start:main_loop]
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        acc_o.fill(0.0)
+        # Paged cache: row st < STAGES - 1 holds the pages of prologue iteration st's copies, the last
+        # row those of the next copies the loop issues.
+        r_pages = cute.make_rmem_tensor(cute.make_ordered_layout((STAGES, self.copies), order=(1, 0)), Int32)
+        issue_loads, lookup_pages = self.issue_loads, self.lookup_pages
+        warp_first = v_begin + warp_idx * KEYS_PER_WARP  # the warp's first key of iteration 0
+        sK_warp, sV_warp = sK[None, warp_idx, None, None, None], sV[None, warp_idx, None, None, None]
+        for st in cutlass.range_constexpr(STAGES):
+            if st < num_iters:
+                lookup_pages(r_pages[st, None], mBlockTable, batch, warp_first + st * step, v_end, n_sink, lo, lane)
+        for st in cutlass.range_constexpr(STAGES - 1):
+            if st < num_iters:
+                issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st, None],
+                            batch, head_kv, warp_first + st * step, v_end, n_sink, lo, lane)
+            cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
+        for it in cutlass.range(num_iters, unroll=1):
+            ahead = it + STAGES - 1
+            # Every lane has read iteration it - 1's tiles before any lane refills them.
+            cute.arch.sync_warp()
+            if ahead < num_iters:
+                issue_loads(sK_warp[ahead % STAGES, None, None, None], sV_warp[ahead % STAGES, None, None, None],
+                            mK, mV, r_pages[STAGES - 1, None], batch, head_kv, warp_first + ahead * step, v_end,
+                            n_sink, lo, lane)
+            if ahead + 1 < num_iters:  # the next iteration's pages: the load has a whole iteration to land
+                lookup_pages(r_pages[STAGES - 1, None], mBlockTable, batch, warp_first + (ahead + 1) * step,
+                             v_end, n_sink, lo, lane)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(STAGES - 1)  # this lane's copies of iteration it have landed...
+            cute.arch.sync_warp()  # ...and every lane's: the fragments read rows other lanes copied
+            stage = it % STAGES
+            first = warp_first + it * step
+            self.k_fragment(sK_warp[stage, None, None, None], r_k, g, kq)
+            if cutlass.const_expr(self.q_in_shared):
+                cute.autovec_copy(s_q[lane, None, None], r_q_pieces)
+            r_s.fill(0.0)
+            cute.gemm(tiled_mma, r_s, r_q, r_k, r_s)
+            for v in cutlass.range_constexpr(cute.size(r_s)):
+                valid = first + score_key(v, kq) < v_end
+                r_s[v] = Float32(cutlass.select_(valid, r_s[v] * score_scale, -Float32.inf))
+            online_softmax_update(r_s, acc_o, row_max, row_sum)
+            # S's accumulator layout is P V's A layout: the same 8 values in the same order.
+            flat(r_p).store(flat(r_s).load().to(self.mma_dtype))
+            for part in cutlass.range_constexpr(pv_parts):
+                self.v_fragment(sV_warp[stage, None, None, None], r_v, g, kq, part * self.v_pieces // pv_parts)
+                acc_part = cute.make_tensor(acc_o.iterator + part * cute.size(acc_o) // pv_parts,
+                                            cute.make_layout(((2, 2), 1, d // 8 // pv_parts)))
+                cute.gemm(tiled_mma, acc_part, r_p, r_v, acc_part)
+        # --8<-- [end:main_loop]
+
+        # --8<-- [start:merge_warps]
+        # Every warp's (max, sum, O rows) into shared memory, then one (O, LSE) per head for the split,
+        # written to the fp32 workspace. The states go where the ring was: wait until no copy is in
+        # flight and every thread has read its last slots.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        for r in cutlass.range_constexpr(2):
+            total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)  # the quad's parts of the row
+            if kq == 0:
+                s_max[warp_idx, g + 8 * r] = row_max[r]
+                s_sum[warp_idx, g + 8 * r] = total
+        for v in cutlass.range_constexpr(cute.size(acc_o)):
+            s_acc[warp_idx, g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
+        cute.arch.sync_threads()
+        # An fp8 cache holds V / v_scale: the split's O is v_scale * (its O on the cache's values).
+        out_scale = Float32(1.0)
+        if cutlass.const_expr(self.fp8):
+            out_scale = mVScale[cutlass.min(head_kv, mVScale.shape[0] - 1)]
+        # One thread per (head, 4 columns): the warps' weights once per head, 16-byte stores.
+        head_quads = d // 4  # 4-column pieces of one head's row
+        o_part = cute.make_rmem_tensor((4,), Float32)
+        for k in cutlass.range_constexpr((ROWS * head_quads + NUM_THREADS - 1) // NUM_THREADS):
+            quad = tidx + k * NUM_THREADS
+            h = cutlass.min(quad // head_quads, heads_here - 1)  # spare threads redo a real head, never stored
+            lse = split_partial(s_max, s_sum, s_acc, h, quad % head_quads, o_part)
+            if cutlass.const_expr(self.fp8):
+                for i in cutlass.range_constexpr(4):
+                    o_part[i] = o_part[i] * out_scale
+            if quad // head_quads < heads_here:
+                cute.autovec_copy(o_part, cute.local_tile(mPartO[batch, first_head + h, split, None], (4,),
+                                                          (quad % head_quads,)))
+                if quad % head_quads == 0:
+                    mPartLSE[batch, first_head + h, split] = lse
+        # --8<-- [end:merge_warps]
+
+        # --8<-- [start:last_block]
+        counter = mCounters.iterator + (batch * kv_ctas + kv_chunk)
+        if arrive_and_elect_last(counter, num_splits, s_flag) == 1:
+            # This CTA finished last: every split's partial is in the workspace.
+            # Each thread owns 4 columns of one head (a 16-byte load per split)
+            # and folds the splits in one pass, in rounds: first the loads of
+            # combine_loads() splits, all in flight at once, then their folds. The
+            # partials sit in L2, and this chain of L2 round trips is the end of
+            # the kernel.
+            per_thread = (ROWS * head_quads + NUM_THREADS - 1) // NUM_THREADS
+            per_round = max(1, combine_loads(d) // per_thread)  # splits per round
+            o = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
+            state = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 2), order=(1, 0)), Float32)
+            parts = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, per_round, 4), order=(2, 1, 0)),
+                                          Float32)
+            lses = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, per_round), order=(1, 0)), Float32)
+            o.fill(0.0)
+            for k in cutlass.range_constexpr(per_thread):
+                state[k, 0] = -Float32.inf
+                state[k, 1] = Float32(0.0)
+            for first_split in cutlass.range(0, num_splits, per_round, unroll=1):
+                for k in cutlass.range_constexpr(per_thread):
+                    quad = tidx + k * NUM_THREADS
+                    h = cutlass.min(quad // head_quads, heads_here - 1)  # spare threads redo a real head, never stored
+                    for j in cutlass.range_constexpr(per_round):
+                        # Past the last split: reload it and fold it in with LSE -inf, which adds nothing.
+                        s = cutlass.min(first_split + j, num_splits - 1)
+                        cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,),
+                                                          (quad % head_quads,)), parts[k, j, None])
+                        lses[k, j] = Float32(cutlass.select_(first_split + j < num_splits,
+                                                             mPartLSE[batch, first_head + h, s], -Float32.inf))
+                for k in cutlass.range_constexpr(per_thread):
+                    for j in cutlass.range_constexpr(per_round):
+                        fold_in_split(lses[k, j], parts[k, j, None], state[k, None], o[k, None])
+            out = cute.make_rmem_tensor((4,), self.q_dtype)
+            for k in cutlass.range_constexpr(per_thread):
+                quad = tidx + k * NUM_THREADS
+                h = cutlass.min(quad // head_quads, heads_here - 1)
+                sink_log2 = Float32(0.0)
+                if cutlass.const_expr(self.has_sink):
+                    sink_log2 = mSink[first_head + h] * LOG2_E
+                lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
+                if quad // head_quads < heads_here:  # a real head (heads_here <= ROWS, so also a real piece)
+                    for i in cutlass.range_constexpr(4):
+                        out[i] = o[k, i].to(self.q_dtype)
+                    cute.autovec_copy(out, cute.local_tile(mO[batch, first_head + h, None], (4,), (quad % head_quads,)))
+                    if cutlass.const_expr(self.write_lse):
+                        if quad % head_quads == 0:
+                            mLSE[batch, first_head + h] = lse * LN_2  # natural log, as the API returns it
+        # --8<-- [end:last_block]
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+# --8<-- [start:configs]
+@dataclass(frozen=True)
+class DecodeConfig:
+    """What one compiled decode kernel is specialized for; batch, lengths, head counts, the page
+    count and the split count are runtime values."""
+
+    dtype: str = "float16"     # q and O
+    head_dim: int = 128
+    page_size: int = 0         # 0: a contiguous cache; else the (compile-time) page size of a paged one
+    cache_dtype: str = ""      # "" = dtype (a 16-bit cache); "float8_e4m3fn": an FP8 cache with scales
+    has_sink: bool = False     # sink logits
+    write_lse: bool = False    # also write the LSE
+
+    def __post_init__(self):
+        if not self.cache_dtype:
+            object.__setattr__(self, "cache_dtype", self.dtype)
+
+    @property
+    def cute_dtype(self):
+        return cute_dtype(_torch_dtype(self.dtype))
+
+    @property
+    def name(self) -> str:
+        layout = f"paged{self.page_size}" if self.page_size else "contiguous"
+        cache = "_fp8" if self.cache_dtype == "float8_e4m3fn" else ""
+        return (f"{self.dtype}{cache}_d{self.head_dim}_{layout}"
+                f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}")
+
+
+def fake_decode_tensors(config: DecodeConfig):
+    import torch
+
+    from cutlass.cute.runtime import make_fake_tensor
+
+    symbols: dict = {}
+
+    def small(dtype, shape):  # int32/fp32 tensors with a contiguous last mode and any row stride
+        extents = tuple(symbols.setdefault(e, cute.sym_int(symbol=e)) if isinstance(e, str) else e for e in shape)
+        stride = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
+        return make_fake_tensor(dtype, extents, stride, assumed_align=4)
+
+    q_dtype, cache_dtype, d = _torch_dtype(config.dtype), _torch_dtype(config.cache_dtype), config.head_dim
+    q = symbolic_tensor(q_dtype, ("B", "H_q", d), symbols=symbols)
+    rows = ("B_kv", "S_max") if config.page_size == 0 else ("pages", config.page_size)
+    per_16_bytes = 16 // cache_dtype.itemsize  # 16-byte copies: rows start on 16-byte boundaries
+    k = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
+    v = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
+    o = symbolic_tensor(q_dtype, ("B", "H_q", d), symbols=symbols)
+    part_o = symbolic_tensor(torch.float32, ("B", "H_q", "splits", d), symbols=symbols)
+    seqlens = small(cutlass.Int32, ("B",))
+    block_table = small(cutlass.Int32, ("B_table", "max_pages"))
+    sink = small(cutlass.Float32, ("H_sink",))
+    k_scale = small(cutlass.Float32, ("H_k_scale",))
+    v_scale = small(cutlass.Float32, ("H_v_scale",))
+    lse = small(cutlass.Float32, ("B_lse", "H_lse"))
+    part_lse = small(cutlass.Float32, ("B", "H_q", "splits"))
+    counters = small(cutlass.Int32, ("counters",))
+    return q, k, v, seqlens, block_table, sink, k_scale, v_scale, o, lse, part_o, part_lse, counters
+
+
+def kernel_and_args(config: DecodeConfig):
+    """The kernel and the symbolic arguments it is compiled with (for every batch, length and head count)."""
+    return TensorCoreDecode(config), (*fake_decode_tensors(config), Float32(1.0), Int32(-1), Int32(0))
+
+
+def compile_matrix() -> list[DecodeConfig]:
+    """Every query dtype x cache dtype x head dim x cache layout (contiguous and each page size); the
+    compiled-out features (sinks, LSE) rotate so that each value meets every head dim."""
+    flags = [(False, False), (True, False), (False, True), (True, True)]
+    layouts = [(dtype, cache, d, page) for dtype in ("float16", "bfloat16") for cache in (dtype, "float8_e4m3fn")
+               for d in HEAD_DIMS for page in (0, *PAGE_SIZES)]
+    return [DecodeConfig(dtype, d, page, cache, *flags[i % len(flags)])
+            for i, (dtype, cache, d, page) in enumerate(layouts)]
+
+
+KERNEL_CONFIGS = compile_matrix()
+
+
+def cross_compile_config(config: DecodeConfig, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    kernel, args = kernel_and_args(config)
+    return cross_compile(kernel, *args, name=f"stage{STAGE:02d}_{config.name}", keep=keep)
+# --8<-- [end:configs]
+
+
+# --8<-- [start:num_splits]
+def shared_bytes(head_dim: int, cache_dtype: str) -> int:
+    """Bytes of the kernel's SharedStorage: the work area and the last-block flag."""
+    return -(-(work_bytes(head_dim, cache_dtype) + q_fragment_bytes(head_dim) + 4) // 128) * 128
+
+
+def ctas_per_sm(head_dim: int, cache_dtype: str = "float16") -> int:
+    """CTAs of this kernel that fit on one SM at once, by registers and by shared memory.
+
+    64K registers / (registers per thread x 128 threads), with the register
+    counts ptxas reports for the sm_90a build (the cross-compile tests check
+    them), and 228 KB of shared memory per SM / (SharedStorage + the 1 KB the
+    system reserves per CTA).
+    """
+    registers = -(-REGISTERS_PER_THREAD[head_dim, cache_bytes(cache_dtype)] // 8) * 8  # allocated per warp in blocks of 256 = 8 per thread
+    by_registers = 65536 // (registers * NUM_THREADS)
+    by_shared = SHARED_BYTES_PER_SM // (shared_bytes(head_dim, cache_dtype) + 1024)
+    return max(1, min(16, by_registers, by_shared))
+
+
+def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, head_dim: int = 128,
+                    cache_dtype: str = "float16") -> int:
+    """How many CTAs share one sequence's keys when the caller passes num_splits=0.
+
+    ``kv_ctas``: CTAs per sequence without splitting: KV heads x ceil(G / 16),
+    so MQA (one KV head) with few sequences still fills the GPU. ``max_keys``:
+    the most keys a sequence can see, known on the host without reading the
+    lengths (CUDA-graph safe). Stage 7's rule: short sequences get 1 split and
+    no split fewer than MIN_KEYS_PER_SPLIT keys; few long sequences as many
+    splits as give every SM SPLIT_CTAS_PER_SM CTAs; a batch that already has a
+    wave's worth of CTAs the split count (at most 4) whose last wave is fullest.
+    """
+    base = batch * kv_ctas
+    per_sm = ctas_per_sm(head_dim, cache_dtype)
+    resident = num_sms * per_sm
+    most = max(1, -(-max_keys // MIN_KEYS_PER_SPLIT))
+    if base < resident:
+        target = num_sms * min(SPLIT_CTAS_PER_SM, per_sm)
+        return max(1, min(most, target // base))
+
+    def wave_efficiency(splits):
+        waves = base * splits / resident
+        return waves / math.ceil(waves)
+
+    return max(range(1, min(most, 4) + 1), key=lambda splits: (wave_efficiency(splits), -splits))
+# --8<-- [end:num_splits]
+
+
+_COUNTERS: dict = {}
+_RETIRED: list = []
+
+
+def counters_for(device, count: int):
+    """Arrival counters for ``count`` (sequence, KV head chunk) pairs, zeroed once and then kept.
+
+    Every launch leaves them at 0 (the last CTA of each pair resets its
+    counter), so they are allocated once per device and stream and reused by
+    every later call, eagerly or inside a CUDA graph. Launches on different
+    streams get different counters: they may run at the same time.
+    """
+    import torch
+
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED.append(counters)  # a captured CUDA graph may still use it: never free it
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
+# --8<-- [start:api]
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
+                     window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
+                     return_lse=False, out=None, check_lengths=True, k_scale=None, v_scale=None):
+    """One query token per sequence against its KV cache; the contract is docs/contract.md.
+
+    q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
+    page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
+    [B] int32. The cache is q's dtype, or float8_e4m3fn with ``k_scale``,
+    ``v_scale`` (float32, [H_kv] or scalar tensors; the cache holds K / k_scale
+    and V / v_scale: ``course.kv_cache.quantize_kv_cache`` makes one). Returns
+    o [B, H_q, D] (and lse [B, H_q] float32 with return_lse). ``out``
+    (optional) receives O. ``check_lengths`` reads cache_seqlens, the block
+    table and the scales on the host to reject lengths beyond the cache and
+    scales that are not finite and > 0: skipped inside CUDA graph capture.
+    """
+    import torch
+
+    shape = validation.check_decode_inputs(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+        window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+        num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
+        k_scale=k_scale, v_scale=v_scale, stage=STAGE,
+    )
+    if check_lengths and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        validation.check_decode_lengths(cache_seqlens, block_table, shape)
+        validation.check_kv_scale_values(k_scale, v_scale)
+    validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                            block_table=block_table, sink_logits=sink_logits, k_scale=k_scale, v_scale=v_scale,
+                            out=out)
+    device = q.device
+    cache_dtype = str(k_cache.dtype).removeprefix("torch.")
+    kv_ctas = shape.heads_kv * -(-(shape.heads_q // shape.heads_kv) // ROWS)
+    if num_splits == 0:
+        max_keys = shape.capacity if window_size_left < 0 else min(
+            shape.capacity, window_size_left + 1 + num_sink_tokens)
+        num_splits = pick_num_splits(shape.batch, kv_ctas, max_keys,
+                                     torch.cuda.get_device_properties(device).multi_processor_count,
+                                     shape.head_dim, cache_dtype)
+    if out is None:
+        out = q.new_empty(q.shape)
+    lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None
+    part_o = torch.empty(shape.batch, shape.heads_q, num_splits, shape.head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(shape.batch, shape.heads_q, num_splits, dtype=torch.float32, device=device)
+    counters = counters_for(device, shape.batch * kv_ctas)
+    page_size = shape.page_size if block_table is not None else 0
+    has_sink = sink_logits is not None
+    config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, page_size, cache_dtype, has_sink,
+                          bool(return_lse))
+    kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
+    scale = validation.resolve_scale(softmax_scale, shape.head_dim)
+    no_scale = launch.placeholder(device, (1,))
+    kernel(q, k_cache, v_cache, cache_seqlens,
+           block_table if block_table is not None else launch.placeholder(device, (1, 1), torch.int32),
+           sink_logits if has_sink else no_scale,
+           k_scale.reshape(-1) if k_scale is not None else no_scale,
+           v_scale.reshape(-1) if v_scale is not None else no_scale,
+           out, lse if return_lse else launch.placeholder(device, (1, 1)),
+           part_o, part_lse, counters, scale * LOG2_E, window_size_left, num_sink_tokens)
+    return (out, lse) if return_lse else out
+# --8<-- [end:api]
+
+
+if __name__ == "__main__":
+    launch.decode_demo(decode_attention, lengths=[1, 300, 5000, 70000], page_size=64, heads_q=64, heads_kv=8)

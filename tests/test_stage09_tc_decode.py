@@ -1,0 +1,276 @@
+"""Stage 9 checks: validation (FP8 scales too), cross-compile (CPU) and numerics on a Hopper GPU, for every grouping."""
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_stage07_decode import BAD_INPUTS as STAGE7_BAD_INPUTS
+from test_stage07_decode import cpu_inputs, replaced
+
+from course import kv_cache, reference, stages, testing
+
+STAGE = stages.get(9)
+
+
+@pytest.fixture(scope="module")
+def stage(impl):
+    return STAGE.load(impl)
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return STAGE.load("solutions")
+
+
+# ---------------------------------------------------------------- the split arithmetic (CPU)
+
+def test_split_ranges_cover_the_visible_keys_once(stage):
+    step = stage.KEYS_PER_ITERATION
+    for num_visible, num_splits in itertools.product([0, 1, step - 1, step, step + 1, 1000, 4097], [1, 2, 7, 33, 64]):
+        ranges = [stage.split_range(num_visible, num_splits, s) for s in range(num_splits)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == num_visible
+        for (b0, e0), (b1, e1) in zip(ranges, ranges[1:]):
+            assert e0 == b1 and b0 <= e0 and b1 <= e1
+        assert all(b % step == 0 or b == num_visible for b, _ in ranges), "splits start on whole iterations"
+
+
+@pytest.mark.parametrize("seqlen, window, sinks", [(10, -1, 0), (10, 3, 0), (10, 3, 2), (10, 3, 8), (10, 0, 0),
+                                                   (3, 5, 2), (0, 4, 2), (1, 0, 1)])
+def test_enumerated_keys_are_the_visible_keys(stage, seqlen, window, sinks):
+    keys = stage.visible_keys_of(seqlen, window, sinks)
+    mask = reference.decode_visible_keys(seqlen, window_size_left=window, num_sink_tokens=sinks)
+    assert keys == mask.nonzero().flatten().tolist()
+
+
+def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
+    sms = 132
+    target = sms * stage.SPLIT_CTAS_PER_SM
+    # MQA with few sequences: 16 sequences x 1 KV head are 16 CTAs before splitting.
+    mqa = stage.pick_num_splits(16, 1, 16384, sms)
+    assert mqa * 16 <= target < (mqa + 1) * 16
+    assert stage.pick_num_splits(8, 8, stage.MIN_KEYS_PER_SPLIT, sms) == 1  # short sequences: one split
+    big = stage.pick_num_splits(64, 8, 4096, sms)                          # a big batch: a well-filled last wave
+    waves = 64 * 8 * big / (sms * stage.ctas_per_sm(128))
+    assert big <= 4 and waves / math.ceil(waves) > 0.9
+
+
+# ---------------------------------------------------------------- validation (CPU)
+
+def fp8_cpu_inputs(**sizes):
+    inputs = cpu_inputs(**sizes)
+    k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
+    return {**inputs, "k_cache": k8, "v_cache": v8, "k_scale": k_scale, "v_scale": v_scale}
+
+
+BAD_INPUTS = {
+    **STAGE7_BAD_INPUTS,
+    "fp8-without-scales": (lambda: {k: v for k, v in fp8_cpu_inputs().items() if k != "v_scale"}, {},
+                           ValueError, "v_scale"),
+    "fp8-scale-zero": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.tensor([1.0, 0.0])), {}, ValueError,
+                       r"k_scale\[1\] = 0.0"),
+    "fp8-scale-nan": (lambda: replaced(fp8_cpu_inputs(), v_scale=torch.tensor(float("nan"))), {}, ValueError,
+                      "v_scale"),
+    "fp8-scale-inf": (lambda: replaced(fp8_cpu_inputs(), v_scale=torch.tensor([1.0, float("inf")])), {},
+                      ValueError, "finite"),
+    "fp8-scale-shape": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.ones(3)), {}, ValueError, r"\[H_kv\]"),
+    "fp8-scale-dtype": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.ones(2, dtype=torch.float16)), {},
+                        TypeError, "float32"),
+    "scales-on-16-bit-cache": (lambda: cpu_inputs(), {"k_scale": torch.ones(2), "v_scale": torch.ones(2)},
+                               ValueError, "pass neither"),
+    "fp8-k-only": (lambda: replaced(fp8_cpu_inputs(), v_cache=fp8_cpu_inputs()["v_cache"].half()), {}, TypeError,
+                   "share one dtype"),
+    "fp8-valid-reaches-the-device-check": (lambda: fp8_cpu_inputs(), {}, ValueError, "CUDA"),
+}
+
+
+@pytest.mark.parametrize("make, options, error, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
+def test_bad_input_is_rejected_before_launch(stage, make, options, error, message):
+    with pytest.raises(error, match=message):
+        stage.decode_attention(**make(), **options)
+
+
+# ---------------------------------------------------------------- cross-compile (CPU)
+
+CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS
+
+
+def test_compile_matrix_covers_every_option(solution):
+    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.page_size) for c in CONFIGS}
+    assert layouts == {(t, cache, d, p) for t in ("float16", "bfloat16") for cache in (t, "float8_e4m3fn")
+                       for d in solution.HEAD_DIMS for p in (0, *solution.PAGE_SIZES)}
+    for d in solution.HEAD_DIMS:
+        assert {(c.has_sink, c.write_lse) for c in CONFIGS if c.head_dim == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_cross_compiles_for_sm90a(stage, config):
+    report = stage.cross_compile_config(config, keep=True)
+    ptx = Path(report.artifacts["ptx"]).read_text()
+    # The data path: whole-row cp.async copies, warp-level tensor cores, the last-block protocol.
+    assert "cp.async.cg.shared.global" in ptx, "K/V rows must stream in with 16-byte cp.async copies"
+    assert "mma.sync.aligned.m16n8k16" in ptx, "Q K^T and P V must run on the warp-level tensor cores"
+    assert "atom.global.acq_rel.add" in ptx, "arrival: an acq_rel atomic"
+    assert "st.relaxed.gpu.global" in ptx, "the last CTA resets its counter"
+    if config.cache_dtype == "float8_e4m3fn":
+        assert "cvt.rn.f16x2.e4m3x2" in ptx, "an FP8 cache is converted to fp16 in registers, two values at a time"
+    bytes_per = stage.cache_bytes(config.cache_dtype)
+    budget = stage.SPILL_BYTES.get((config.head_dim, bytes_per), 0)
+    assert report.spill_bytes <= budget, f"{report.name} spills {report.spill_bytes} bytes of registers"
+    assert report.shared_bytes == stage.shared_bytes(config.head_dim, config.cache_dtype), (
+        f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
+        f"{stage.shared_bytes(config.head_dim, config.cache_dtype)}, and the automatic split count relies on it")
+    assert report.registers <= stage.REGISTERS_PER_THREAD[config.head_dim, bytes_per], (
+        f"{report.name} uses {report.registers} registers per thread; the automatic split count assumes at "
+        f"most {stage.REGISTERS_PER_THREAD[config.head_dim, bytes_per]} (REGISTERS_PER_THREAD): update it")
+
+
+# ---------------------------------------------------------------- numerics (Hopper GPU)
+
+LAYOUTS = {"contiguous": None, "paged16": 16, "paged32": 32, "paged64": 64, "paged256": 256}
+RAGGED = list(testing.DECODE_LENGTHS)  # 1, 2, 127, 128, 4097, 32768, 131072 in one batch
+
+
+def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
+    """One launch on poisoned output; with ``fp8`` the cache is quantized first. Returns (report, out)."""
+    inputs = dict(inputs)
+    scales = {}
+    if fp8:
+        k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
+        inputs.update(k_cache=k8, v_cache=v8)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    result = stage.decode_attention(**inputs, **options, **scales, return_lse=return_lse,
+                                    out=testing.poisoned_like(inputs["q"]))
+    out, lse = result if return_lse else (result, None)
+    features = {k: v for k, v in options.items() if k != "num_splits"}
+    return testing.assert_decode_matches(out, inputs, where, lse=lse, **features, **scales), out
+
+
+RAGGED_CASES = [("float16", 64, "contiguous"), ("float16", 128, "paged64"), ("float16", 256, "paged16"),
+                ("bfloat16", 64, "paged256"), ("bfloat16", 128, "contiguous"), ("bfloat16", 256, "paged64")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+@pytest.mark.parametrize("dtype, head_dim, layout", RAGGED_CASES, ids=[f"{a}-d{b}-{c}" for a, b, c in RAGGED_CASES])
+def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, fp8):
+    """Lengths 1 ... 131072 in one batch (page boundaries, a full last page), auto split count, LSE too."""
+    inputs = testing.random_decode_inputs(RAGGED, 16, 2, head_dim, getattr(torch, dtype),
+                                          page_size=LAYOUTS[layout], seed=head_dim)
+    run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, fp8={fp8}, lengths {RAGGED}", fp8=fp8, return_lse=True)
+
+
+# (H_q, H_kv): MHA, groups 4, 8, 16, MQA 8 and 64; a group of 3; 24 (two CTAs of 16 rows, the second half-full).
+GROUPINGS = [(32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1), (6, 2), (48, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged32"])
+@pytest.mark.parametrize("h_q, h_kv", GROUPINGS, ids=[f"h{a}-kv{b}" for a, b in GROUPINGS])
+def test_groupings(stage, h_q, h_kv, layout, fp8):
+    inputs = testing.random_decode_inputs([1, 31, 32, 33, 1000, 4097], h_q, h_kv, 128, torch.float16,
+                                          page_size=LAYOUTS[layout], seed=h_q * 10 + h_kv)
+    run(stage, inputs, f"H_q={h_q}, H_kv={h_kv}, {layout}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged64"])
+def test_every_split_count_gives_the_same_result(stage, layout):
+    inputs = testing.random_decode_inputs([2, 128, 4097, 32768], 16, 2, 128, torch.float16,
+                                          page_size=LAYOUTS[layout], seed=11)
+    results = {}
+    for num_splits in (*range(1, 9), 16, 33, 64, 0):
+        _, results[num_splits] = run(stage, inputs, f"{layout}, num_splits={num_splits}", num_splits=num_splits)
+    for num_splits, out in results.items():
+        torch.testing.assert_close(out, results[1], rtol=2e-3, atol=2e-3,
+                                   msg=f"num_splits={num_splits} differs from one split")
+
+
+@pytest.mark.gpu
+def test_back_to_back_launches_reset_the_counters(stage):
+    """200 launches in a row: a counter left non-zero would stop the next launch from combining."""
+    inputs = testing.random_decode_inputs([4097, 300, 1], 16, 2, 128, torch.float16, page_size=64, seed=3)
+    outs = [stage.decode_attention(**inputs, num_splits=7, out=testing.poisoned_like(inputs["q"]))
+            for _ in range(200)]
+    testing.assert_decode_matches(outs[0], inputs, "launch 1 of 200")
+    for i, out in enumerate(outs):
+        assert torch.equal(out, outs[0]), f"launch {i + 1} of 200 differs from the first (NaN: never combined)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+def test_cuda_graph_replay(stage, fp8):
+    """200 replays of one captured launch, each on a new q: the same bits as an eager launch."""
+    inputs = testing.random_decode_inputs([4097, 32768, 5], 16, 2, 128, torch.float16, page_size=64, seed=4)
+    scales = {}
+    if fp8:
+        k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
+        inputs.update(k_cache=k8, v_cache=v8)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    out = testing.poisoned_like(inputs["q"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stage.decode_attention(**inputs, **scales, num_splits=5, out=out)  # compile, allocate the counters
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        stage.decode_attention(**inputs, **scales, num_splits=5, out=out)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for replay in range(200):
+        inputs["q"].copy_(torch.randn(inputs["q"].shape, generator=gen, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        if replay in (0, 1, 199):
+            eager = stage.decode_attention(**inputs, **scales, num_splits=5)
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager), f"CUDA graph replay {replay + 1} differs from an eager launch"
+            testing.assert_decode_matches(out, inputs, f"CUDA graph replay {replay + 1}", **scales)
+
+
+FEATURE_CASES = {  # name: (layout, features)
+    "window-100": ("contiguous", {"window_size_left": 100}),
+    "window-0": ("paged64", {"window_size_left": 0}),
+    "window-5000+4-sink-tokens": ("contiguous", {"window_size_left": 5000, "num_sink_tokens": 4}),
+    "sink-logits": ("paged64", {"sink_logits": True}),
+    "window+sink-tokens+sink-logits": ("paged16", {"window_size_left": 100, "num_sink_tokens": 2,
+                                                   "sink_logits": True}),
+    "softmax-scale": ("paged64", {"softmax_scale": 0.3}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+@pytest.mark.parametrize("layout, features", FEATURE_CASES.values(), ids=FEATURE_CASES.keys())
+def test_windows_sinks_and_lse(stage, layout, features, fp8):
+    inputs = testing.random_decode_inputs([0, 1, 127, 4097, 32768], 16, 2, 128, torch.float16,
+                                          page_size=LAYOUTS[layout], seed=21)
+    features = dict(features)
+    if features.pop("sink_logits", False):
+        features["sink_logits"] = torch.randn(16, device="cuda") * 3
+    run(stage, inputs, f"{layout}, {features}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=4, **features)
+
+
+@pytest.mark.gpu
+def test_empty_sequences(stage):
+    """Length 0: O = 0 and LSE = -inf, or the sink logit when there is one; never NaN."""
+    inputs = testing.random_decode_inputs([0, 5, 0], 8, 2, 128, torch.float16, seed=8)
+    out, lse = stage.decode_attention(**inputs, return_lse=True, num_splits=3, out=testing.poisoned_like(inputs["q"]))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[[0, 2]]).all()
+    sink = torch.linspace(-2.0, 2.0, 8, device="cuda")
+    sink[::2] = -math.inf  # a sink that never takes weight, on an empty sequence: still 0 and -inf, not NaN
+    out, lse = stage.decode_attention(**inputs, return_lse=True, sink_logits=sink,
+                                      out=testing.poisoned_like(inputs["q"]))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0, ::2]).all()
+    testing.assert_decode_matches(out, inputs, "empty sequences with -inf sinks", lse=lse, sink_logits=sink)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+def test_large_logits_do_not_overflow(stage, fp8):
+    inputs = testing.random_decode_inputs([3000, 64], 16, 2, 128, torch.bfloat16, seed=9)
+    inputs["q"].mul_(30)
+    run(stage, inputs, "logits around 300", fp8=fp8, return_lse=True, num_splits=5)
