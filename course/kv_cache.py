@@ -46,3 +46,10 @@ def _quantize(cache: torch.Tensor):
 def dequantize(cache_fp8: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """The values an FP8 cache stands for: cache * scale, per KV head, in ``dtype``."""
     return cache_fp8.to(dtype) * scale.to(dtype).reshape(1, 1, -1, 1)
+
+
+def fp8_decode_inputs(inputs: dict) -> dict:
+    """Decode arguments (``q``, ``k_cache``, ``v_cache``, ...) with the cache quantized to FP8 and its
+    ``k_scale``, ``v_scale`` added: ``decode_attention(**fp8_decode_inputs(inputs))``."""
+    k_fp8, v_fp8, k_scale, v_scale = quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
+    return {**inputs, "k_cache": k_fp8, "v_cache": v_fp8, "k_scale": k_scale, "v_scale": v_scale}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from course.compile import cute_dtype
 
-__all__ = ["cute_dtype", "compiled", "placeholder", "sm_count", "demo", "decode_demo"]
+__all__ = ["cute_dtype", "compiled", "placeholder", "decode_counters", "sm_count", "demo", "decode_demo"]
 
 H100_SMS = 132  # the SMs of an H100 SXM: what a cross-compile without a GPU assumes
 
@@ -42,6 +42,31 @@ def sm_count() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return H100_SMS
+
+
+_COUNTERS: dict = {}
+_RETIRED: list = []
+
+
+def decode_counters(device, count: int):
+    """Arrival counters of the split-KV decode kernels (stages 7 and 9) for ``count`` (sequence, KV head
+    chunk) pairs, zeroed once and then kept.
+
+    Every launch leaves them at 0 (the last CTA of each pair resets its
+    counter), so they are allocated once per device and stream and reused by
+    every later call, of either stage, eagerly or inside a CUDA graph. Launches
+    on different streams get different counters: they may run at the same time.
+    """
+    import torch
+
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _RETIRED.append(counters)  # a captured CUDA graph may still use it: never free it
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
 
 
 _PLACEHOLDERS: dict = {}

@@ -118,9 +118,7 @@ def launch_stage(number: int) -> None:
             from course import kv_cache
 
             inputs = testing.random_decode_inputs([300, 17], 24, 1, 256, torch.float16, page_size=32, seed=3)
-            k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
-            module.decode_attention(**{**inputs, "k_cache": k8, "v_cache": v8}, k_scale=k_scale, v_scale=v_scale,
-                                    num_splits=2, return_lse=True)
+            module.decode_attention(**kv_cache.fp8_decode_inputs(inputs), num_splits=2, return_lse=True)
     else:
         features = [{}]
         if number >= 4:

@@ -712,30 +712,6 @@ def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
 # --8<-- [end:num_splits]
 
 
-_COUNTERS: dict = {}
-_RETIRED: list = []
-
-
-def counters_for(device, count: int):
-    """Arrival counters for ``count`` (sequence, KV head chunk) pairs, zeroed once and then kept.
-
-    Every launch leaves them at 0 (the last CTA of each pair resets its
-    counter), so they are allocated once per device and stream and reused by
-    every later call, eagerly or inside a CUDA graph. Launches on different
-    streams get different counters: they may run at the same time.
-    """
-    import torch
-
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
-        if counters is not None:
-            _RETIRED.append(counters)  # a captured CUDA graph may still use it: never free it
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
-
-
 # --8<-- [start:api]
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
@@ -774,7 +750,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None
     part_o = torch.empty(shape.batch, shape.heads_q, num_splits, shape.head_dim, dtype=torch.float32, device=device)
     part_lse = torch.empty(shape.batch, shape.heads_q, num_splits, dtype=torch.float32, device=device)
-    counters = counters_for(device, shape.batch * kv_ctas)
+    counters = launch.decode_counters(device, shape.batch * kv_ctas)
     page_size = shape.page_size if block_table is not None else 0
     has_sink = sink_logits is not None
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, page_size, heads, has_sink,

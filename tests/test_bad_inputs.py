@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from course import prefill, reference, stages, testing, tile_models, validation
+from course import launch, prefill, reference, stages, testing, tile_models, validation
 
 PREFILL_STAGES = [s.number for s in stages.STAGES if s.ready and s.kind == "prefill"]
 INT32_MAX = validation.INT32_MAX
@@ -456,7 +456,7 @@ def test_decode_on_two_streams_at_once(decode_stage):
             assert torch.equal(out, expected), f"batch {b}, launch {i + 1} on its stream differs from the eager result"
     for stream in streams:
         with torch.cuda.stream(stream):
-            counters = decode_stage.counters_for(batches[0]["q"].device, 1)
+            counters = launch.decode_counters(batches[0]["q"].device, 1)
         assert not counters.any(), "every launch leaves its stream's counters at 0"
 
 

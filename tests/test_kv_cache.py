@@ -12,9 +12,7 @@ def decode_inputs(lengths=(5, 9), h_q=4, h_kv=2, d=64, page_size=None):
 
 
 def fp8_inputs(**sizes):
-    inputs = decode_inputs(**sizes)
-    k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
-    return {**inputs, "k_cache": k8, "v_cache": v8, "k_scale": k_scale, "v_scale": v_scale}
+    return kv_cache.fp8_decode_inputs(decode_inputs(**sizes))
 
 
 def check(inputs, stage=9):

@@ -59,9 +59,7 @@ def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
 # ---------------------------------------------------------------- validation (CPU)
 
 def fp8_cpu_inputs(**sizes):
-    inputs = cpu_inputs(**sizes)
-    k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
-    return {**inputs, "k_cache": k8, "v_cache": v8, "k_scale": k_scale, "v_scale": v_scale}
+    return kv_cache.fp8_decode_inputs(cpu_inputs(**sizes))
 
 
 BAD_INPUTS = {
@@ -133,14 +131,16 @@ LAYOUTS = {"contiguous": None, "paged16": 16, "paged32": 32, "paged64": 64, "pag
 RAGGED = list(testing.DECODE_LENGTHS)  # 1, 2, 127, 128, 4097, 32768, 131072 in one batch
 
 
+def fp8_split(inputs):
+    """(the inputs on an FP8 cache, its scales): the scales travel apart, as features of the reference."""
+    fp8 = kv_cache.fp8_decode_inputs(inputs)
+    return ({k: v for k, v in fp8.items() if k not in ("k_scale", "v_scale")},
+            {"k_scale": fp8["k_scale"], "v_scale": fp8["v_scale"]})
+
+
 def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
     """One launch on poisoned output; with ``fp8`` the cache is quantized first. Returns (report, out)."""
-    inputs = dict(inputs)
-    scales = {}
-    if fp8:
-        k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
-        inputs.update(k_cache=k8, v_cache=v8)
-        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
     result = stage.decode_attention(**inputs, **options, **scales, return_lse=return_lse,
                                     out=testing.poisoned_like(inputs["q"]))
     out, lse = result if return_lse else (result, None)
@@ -205,11 +205,7 @@ def test_back_to_back_launches_reset_the_counters(stage):
 def test_cuda_graph_replay(stage, fp8):
     """200 replays of one captured launch, each on a new q: the same bits as an eager launch."""
     inputs = testing.random_decode_inputs([4097, 32768, 5], 16, 2, 128, torch.float16, page_size=64, seed=4)
-    scales = {}
-    if fp8:
-        k8, v8, k_scale, v_scale = kv_cache.quantize_kv_cache(inputs["k_cache"], inputs["v_cache"])
-        inputs.update(k_cache=k8, v_cache=v8)
-        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
     out = testing.poisoned_like(inputs["q"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
