@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 from course.compile import cute_dtype
 
-__all__ = ["cute_dtype", "compiled", "placeholder", "decode_counters", "sm_count", "demo", "decode_demo"]
+__all__ = ["cute_dtype", "compiled", "placeholder", "decode_counters", "pick_num_splits", "sm_count", "demo",
+           "decode_demo"]
 
 H100_SMS = 132  # the SMs of an H100 SXM: what a cross-compile without a GPU assumes
 
@@ -42,6 +45,38 @@ def sm_count() -> int:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return H100_SMS
+
+
+# --8<-- [start:pick_num_splits]
+def pick_num_splits(base_ctas: int, max_keys: int, num_sms: int, ctas_per_sm: int, *, split_ctas_per_sm: int,
+                    min_keys_per_split: int) -> int:
+    """How many CTAs share one sequence's keys when the caller of a split-KV decode kernel (stages 7
+    and 9) passes num_splits=0.
+
+    ``base_ctas``: the launch's CTAs without splitting (sequences x KV heads x
+    head chunks). ``max_keys``: the most keys a sequence can see, from the
+    cache capacity clipped by the window; it is known on the host without
+    reading the lengths, so there is no synchronization and the choice is
+    CUDA-graph safe. ``ctas_per_sm``: the kernel's CTAs that fit on one SM.
+
+    Short sequences get 1 split, and no split gets fewer than
+    ``min_keys_per_split`` keys. Few long sequences: as many splits as give
+    every SM ``split_ctas_per_sm`` CTAs, and no SM one more than the others. A
+    batch that already has a wave's worth of CTAs: the split count (at most 4)
+    whose last wave is fullest, so that few SMs idle at the end.
+    """
+    resident = num_sms * ctas_per_sm
+    most = max(1, -(-max_keys // min_keys_per_split))
+    if base_ctas < resident:
+        target = num_sms * min(split_ctas_per_sm, ctas_per_sm)
+        return max(1, min(most, target // base_ctas))
+
+    def wave_efficiency(splits):
+        waves = base_ctas * splits / resident
+        return waves / math.ceil(waves)
+
+    return max(range(1, min(most, 4) + 1), key=lambda splits: (wave_efficiency(splits), -splits))
+# --8<-- [end:pick_num_splits]
 
 
 _COUNTERS: dict = {}

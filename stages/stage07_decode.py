@@ -681,34 +681,12 @@ def ctas_per_sm(heads: int, head_dim: int = 128) -> int:
     return max(1, min(16, by_registers, by_shared))
 
 
-def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads: int = 4,
+def auto_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads: int = 4,
                     head_dim: int = 128) -> int:
-    """How many CTAs share one sequence's keys when the caller passes num_splits=0.
-
-    ``kv_ctas``: CTAs per sequence without splitting (KV heads x head chunks).
-    ``max_keys``: the most keys a sequence can see, from the cache capacity
-    clipped by the window; it is known on the host without reading the
-    lengths, so there is no synchronization and the choice is CUDA-graph safe.
-
-    Short sequences get 1 split, and no split gets fewer than
-    MIN_KEYS_PER_SPLIT keys. Few long sequences: as many splits as give every
-    SM SPLIT_CTAS_PER_SM CTAs, and no SM one more than the others. A batch
-    that already has a wave's worth of CTAs: the split count (at most 4) whose
-    last wave is fullest, so that few SMs idle at the end.
-    """
-    base = batch * kv_ctas
-    per_sm = ctas_per_sm(heads, head_dim)
-    resident = num_sms * per_sm
-    most = max(1, -(-max_keys // MIN_KEYS_PER_SPLIT))
-    if base < resident:
-        target = num_sms * min(SPLIT_CTAS_PER_SM, per_sm)
-        return max(1, min(most, target // base))
-
-    def wave_efficiency(splits):
-        waves = base * splits / resident
-        return waves / math.ceil(waves)
-
-    return max(range(1, min(most, 4) + 1), key=lambda splits: (wave_efficiency(splits), -splits))
+    """The split count for num_splits=0: ``course.launch.pick_num_splits`` with this kernel's CTAs per
+    SM, SPLIT_CTAS_PER_SM for few sequences and at least MIN_KEYS_PER_SPLIT keys per split."""
+    return launch.pick_num_splits(batch * kv_ctas, max_keys, num_sms, ctas_per_sm(heads, head_dim),
+                                  split_ctas_per_sm=SPLIT_CTAS_PER_SM, min_keys_per_split=MIN_KEYS_PER_SPLIT)
 # --8<-- [end:num_splits]
 
 
@@ -742,7 +720,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     if num_splits == 0:
         max_keys = shape.capacity if window_size_left < 0 else min(
             shape.capacity, window_size_left + 1 + num_sink_tokens)
-        num_splits = pick_num_splits(shape.batch, kv_ctas, max_keys,
+        num_splits = auto_num_splits(shape.batch, kv_ctas, max_keys,
                                      torch.cuda.get_device_properties(device).multi_processor_count, heads,
                                      shape.head_dim)
     if out is None:

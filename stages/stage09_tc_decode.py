@@ -39,7 +39,13 @@ for the next launch. What changes:
    converted to fp16 in registers (e4m3 -> f16 is exact), k_scale is folded
    into the softmax scale and v_scale into the split's output: two multiplies
    per row, none per element. The bytes per token halve.
-4. The split count comes from B x H_kv x ceil(G / 16) CTAs, not from H_q.
+4. The split count comes from B x H_kv x ceil(G / 16) CTAs, not from H_q, and
+   aims at one (sequence, KV head) stream per SM, so one MQA sequence gets
+   about 128 splits.
+5. Two levels of last CTAs: the splits form groups of SPLITS_PER_GROUP; the
+   last CTA of each group folds the group's partials into one, and the last
+   of those folds the groups into O. With one combining CTA, the partials of
+   128 splits took longer to fold than the cache took to read.
 
 Run it:
     python -m course check 9 --impl solutions   # this stage's tests
@@ -75,13 +81,21 @@ STAGES = 3
 SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-MIN_KEYS_PER_SPLIT = 128  # the auto split count never gives a split fewer keys than this
-SPLIT_CTAS_PER_SM = 2  # CTAs per SM the auto split count aims at for few sequences (stage 7's choice)
+# The automatic split count, measured on the H100 (docs/stages/09-tc-decode.md, "How many splits"):
+# for few sequences one (sequence, KV head) stream per SM, as one CTA streams about 45 GB/s and 132
+# of them outrun HBM (stage 7 aims at 2 CTAs), and no split under 4 loop iterations, whose fixed
+# cost (the first copies' latency, the merge, the arrival) a shorter split does not repay.
+MIN_KEYS_PER_SPLIT = 256
+SPLIT_CTAS_PER_SM = 1
+# Splits whose partials the last CTA of their group folds first: the final combine then reads
+# SPLITS_PER_GROUP + num_splits / SPLITS_PER_GROUP partials instead of num_splits.
+SPLITS_PER_GROUP = 16
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 252, (256, 2): 255, (64, 1): 168, (128, 1): 216, (256, 1): 255}
+REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 254, (256, 2): 255, (64, 1): 162, (128, 1): 208, (256, 1): 255}
 # Register spill ptxas may leave, by (head dim, cache bytes): at D = 256 with a 16-bit cache the O
-# accumulator alone is 128 registers and ptxas, at its 255 cap, keeps 8-12 bytes in local memory.
-SPILL_BYTES = {(256, 2): 16}
+# accumulator alone is 128 registers and ptxas, at its 255 cap, keeps up to 24 bytes (a few loop
+# invariants) in local memory in some configurations, although Q K^T and P V run in halves of D.
+SPILL_BYTES = {(256, 2): 24}
 
 
 def cache_bytes(cache_dtype: str) -> int:
@@ -114,10 +128,15 @@ def q_fragment_bytes(head_dim: int) -> int:
     return 32 * head_dim if head_dim > 128 else 4
 
 
-def combine_loads(head_dim: int) -> int:
-    """16-byte partial-O loads each thread of the last CTA keeps in flight: 16 at D <= 128, 8 at 256
-    (more would spill: the MMA fragments already hold most of the registers)."""
-    return 16 if head_dim <= 128 else 4
+def combine_loads(head_dim: int) -> tuple[int, int]:
+    """(items, slots): a combining thread folds that many of its (head, 4 columns) items at once,
+    each over that many slots per round: 16 16-byte loads in flight. At D = 256 (8 items per
+    thread) two passes of 4 items: more at once would spill, as the MMA fragments hold most of the
+    registers."""
+    if head_dim > 128:
+        return 1, 8
+    items = ROWS * head_dim // 4 // NUM_THREADS
+    return items, 16 // items
 
 
 # --8<-- [start:split_ranges]
@@ -134,6 +153,20 @@ def split_range(num_visible: int, num_splits: int, split: int) -> tuple[int, int
     begin = min(split * chunk, num_visible)
     return begin, min(begin + chunk, num_visible)
 # --8<-- [end:split_ranges]
+
+
+# --8<-- [start:split_groups]
+def split_groups(num_splits: int) -> int:
+    """Groups of SPLITS_PER_GROUP splits whose last CTAs fold them before the final combine."""
+    return -(-num_splits // SPLITS_PER_GROUP)
+
+
+def workspace_slots(num_splits: int) -> int:
+    """Partials the fp32 workspace holds per head: one per split, then one per group when there are
+    several groups (a single group's last CTA writes O directly)."""
+    groups = split_groups(num_splits)
+    return num_splits + (groups if groups > 1 else 0)
+# --8<-- [end:split_groups]
 
 
 def visible_keys_of(seqlen: int, window_size_left: int, num_sink_tokens: int) -> list[int]:
@@ -378,12 +411,13 @@ class TensorCoreDecode:
         mVScale: cute.Tensor,
         mO: cute.Tensor,           # [B, H_q, D]
         mLSE: cute.Tensor,         # [B, H_q] float32 (unused without return_lse)
-        mPartO: cute.Tensor,       # [B, H_q, num_splits, D] float32 workspace
-        mPartLSE: cute.Tensor,     # [B, H_q, num_splits] float32 workspace
-        mCounters: cute.Tensor,    # [>= B * H_kv * chunks] int32, zero between launches
+        mPartO: cute.Tensor,       # [B, H_q, workspace_slots(num_splits), D] float32 workspace
+        mPartLSE: cute.Tensor,     # [B, H_q, workspace_slots(num_splits)] float32 workspace
+        mCounters: cute.Tensor,    # [>= counters_needed(...)] int32, zero between launches
         scale_log2: Float32,
         window_left: Int32,
         num_sink_tokens: Int32,
+        num_splits: Int32,
         stream,
     ):
         work_words = work_bytes(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16") // 4
@@ -401,7 +435,6 @@ class TensorCoreDecode:
         # --8<-- [start:grid]
         batch, heads_q, heads_kv = mQ.shape[0], mQ.shape[1], mK.shape[2]
         chunks = (heads_q // heads_kv + ROWS - 1) // ROWS
-        num_splits = mPartLSE.shape[2]
         grid = (num_splits, heads_kv * chunks, batch)
         # --8<-- [end:grid]
         self.kernel(
@@ -482,10 +515,11 @@ class TensorCoreDecode:
         return converted
 
     @cute.jit
-    def k_fragment(self, sK: cute.Tensor, r_k: cute.Tensor, g: Int32, kq: Int32):
-        """The B operand of S = Q K^T from the warp's K tile [16 rows, chunks, 16 bytes] of one stage.
+    def k_fragment(self, sK: cute.Tensor, r_k: cute.Tensor, g: Int32, kq: Int32, first_piece: int):
+        """The B operand of S = Q K^T from the warp's K tile [16 rows, chunks, 16 bytes] of one stage
+        (the column blocks of pieces ``first_piece``, ...: all of them, or half at D = 256).
 
-        ``r_k`` ((2, 2), 2 key blocks, D / 16 column blocks), in the MMA's value
+        ``r_k`` ((2, 2), 2 key blocks, column blocks), in the MMA's value
         order: value v of block kb is the column 2kq + v % 2 + 8 (v // 2) of the
         block, of key 8j + g. The thread takes chunks kq, kq + 4, ... of that row:
         element e of its p-th chunk is its column 4 kb + e % 4 with
@@ -495,8 +529,9 @@ class TensorCoreDecode:
         elems = self.k_elems
         for j in cutlass.range_constexpr(2):
             row = 8 * j + g
-            for p in cutlass.range_constexpr(self.k_pieces):
-                piece = self.piece_to_registers(sK[row, swizzle(row, self.chunks) ^ (4 * p + kq), None])
+            for p in cutlass.range_constexpr(cute.size(r_k, mode=[2]) * 4 // elems):
+                chunk = 4 * (first_piece + p) + kq
+                piece = self.piece_to_registers(sK[row, swizzle(row, self.chunks) ^ chunk, None])
                 for e in cutlass.range_constexpr(elems):
                     # TODO(stage 9): Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8).
                     raise NotImplementedError('TODO(stage 9) in k_fragment(): Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8). Hints: docs/stages/09-tc-decode.md')
@@ -524,6 +559,77 @@ class TensorCoreDecode:
                     # TODO(stage 9): Value slot of column block p * elems + e (r_v is compact: strides 1, 4).
                     raise NotImplementedError('TODO(stage 9) in v_fragment(): Value slot of column block p * elems + e (r_v is compact: strides 1, 4). Hints: docs/stages/09-tc-decode.md')
     # --8<-- [end:to_registers]
+
+    # --8<-- [start:combine_partials]
+    @cute.jit
+    def combine_item(self, k: int, heads_here: Int32):
+        """The combine's item k of this thread: (head, 4-column piece, a real head?). Thread t takes
+        pieces t, t + 128, ... of the 16 heads' rows; spare threads redo a real head, never stored."""
+        tidx, _, _ = cute.arch.thread_idx()
+        head_quads = self.head_dim // 4
+        item = tidx + k * NUM_THREADS
+        return cutlass.min(item // head_quads, heads_here - 1), item % head_quads, item // head_quads < heads_here
+
+    @cute.jit
+    def combine(self, mPartO: cute.Tensor, mPartLSE: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                mSink: cute.Tensor, batch: Int32, first_head: Int32, heads_here: Int32, first: Int32, count: Int32,
+                slot: Int32, final: cutlass.Constexpr):
+        """Fold workspace slots [first, first + count) for every head of the CTA.
+
+        Each thread owns 4 columns of one head per item (a 16-byte load per slot)
+        and folds the slots in one pass per combine_loads() items, in rounds:
+        first the loads of its slots, all in flight at once, then their folds.
+        The partials sit in L2, and this chain of L2 round trips is the end of
+        the kernel. ``final``: finish with the sink logit and write O (and the
+        LSE); else write the folded (O, LSE) into workspace slot ``slot``, a
+        partial like a split's.
+        """
+        items, per_round = combine_loads(self.head_dim)  # items folded at once, slots per round
+        o = cute.make_rmem_tensor(cute.make_ordered_layout((items, 4), order=(1, 0)), Float32)
+        state = cute.make_rmem_tensor(cute.make_ordered_layout((items, 2), order=(1, 0)), Float32)
+        parts = cute.make_rmem_tensor(cute.make_ordered_layout((items, per_round, 4), order=(2, 1, 0)), Float32)
+        lses = cute.make_rmem_tensor(cute.make_ordered_layout((items, per_round), order=(1, 0)), Float32)
+        out = cute.make_rmem_tensor((4,), self.q_dtype)
+        for first_item in cutlass.range_constexpr(0, ROWS * self.head_dim // 4 // NUM_THREADS, items):
+            o.fill(0.0)
+            for k in cutlass.range_constexpr(items):
+                state[k, 0] = -Float32.inf
+                state[k, 1] = Float32(0.0)
+            for round_first in cutlass.range(0, count, per_round, unroll=1):
+                for k in cutlass.range_constexpr(items):
+                    h, quad, _ = self.combine_item(first_item + k, heads_here)
+                    for j in cutlass.range_constexpr(per_round):
+                        # Past the last slot: reload it and fold it in with LSE -inf, which adds nothing.
+                        s = first + cutlass.min(round_first + j, count - 1)
+                        cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,), (quad,)),
+                                          parts[k, j, None])
+                        lses[k, j] = Float32(cutlass.select_(round_first + j < count,
+                                                             mPartLSE[batch, first_head + h, s], -Float32.inf))
+                for k in cutlass.range_constexpr(items):
+                    for j in cutlass.range_constexpr(per_round):
+                        fold_in_split(lses[k, j], parts[k, j, None], state[k, None], o[k, None])
+            for k in cutlass.range_constexpr(items):
+                h, quad, real = self.combine_item(first_item + k, heads_here)
+                head = first_head + h
+                if cutlass.const_expr(final):
+                    sink_log2 = Float32(0.0)
+                    if cutlass.const_expr(self.has_sink):
+                        sink_log2 = mSink[head] * LOG2_E
+                    lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
+                    if real:
+                        for i in cutlass.range_constexpr(4):
+                            out[i] = o[k, i].to(self.q_dtype)
+                        cute.autovec_copy(out, cute.local_tile(mO[batch, head, None], (4,), (quad,)))
+                        if cutlass.const_expr(self.write_lse):
+                            if quad == 0:
+                                mLSE[batch, head] = lse * LN_2  # natural log, as the API returns it
+                else:
+                    lse = finish_combine(state[k, None], o[k, None], Float32(0.0), False)
+                    if real:
+                        cute.autovec_copy(o[k, None], cute.local_tile(mPartO[batch, head, slot, None], (4,), (quad,)))
+                        if quad == 0:
+                            mPartLSE[batch, head, slot] = lse
+    # --8<-- [end:combine_partials]
 
     @cute.kernel
     def kernel(
@@ -606,10 +712,15 @@ class TensorCoreDecode:
             if warp_idx == 0:
                 cute.autovec_copy(r_q_pieces, s_q[lane, None, None])
             cute.arch.sync_threads()
-        r_k = cute.make_rmem_tensor(((2, 2), 2, d // 16), self.mma_dtype)
-        # P V in parts of the head dim: at D = 256 half of V's fragment at a time (registers).
-        pv_parts = 2 if self.q_in_shared else 1
-        r_v = cute.make_rmem_tensor(((2, 2), d // 8 // pv_parts, 1), self.mma_dtype)
+        # Q K^T and P V in parts of the head dim: at D = 256 half of Q's, K's and V's fragments at a
+        # time (registers).
+        parts = 2 if self.q_in_shared else 1
+        r_q_part = r_q
+        if cutlass.const_expr(parts > 1):
+            r_q_part = cute.make_rmem_tensor(((2, 2, 2), 1, d // 16 // parts), self.mma_dtype)
+        r_q_part_pieces = cute.make_tensor(r_q_part.iterator, cute.make_layout((d // 16 // parts, 8), stride=(8, 1)))
+        r_k = cute.make_rmem_tensor(((2, 2), 2, d // 16 // parts), self.mma_dtype)
+        r_v = cute.make_rmem_tensor(((2, 2), d // 8 // parts, 1), self.mma_dtype)
         # S (16 heads x 16 keys) and O (16 heads x D) accumulators, and P, S's values as P V's A operand.
         r_s = cute.make_rmem_tensor(((2, 2), 1, 2), Float32)
         r_p = cute.make_rmem_tensor(((2, 2, 2), 1, 1), self.mma_dtype)
@@ -675,21 +786,23 @@ class TensorCoreDecode:
             cute.arch.sync_warp()  # ...and every lane's: the fragments read rows other lanes copied
             stage = it % STAGES
             first = warp_first + it * step
-            self.k_fragment(sK_warp[stage, None, None, None], r_k, g, kq)
-            if cutlass.const_expr(self.q_in_shared):
-                cute.autovec_copy(s_q[lane, None, None], r_q_pieces)
             r_s.fill(0.0)
-            cute.gemm(tiled_mma, r_s, r_q, r_k, r_s)
+            for part in cutlass.range_constexpr(parts):
+                self.k_fragment(sK_warp[stage, None, None, None], r_k, g, kq, part * self.k_pieces // parts)
+                if cutlass.const_expr(self.q_in_shared):
+                    cute.autovec_copy(cute.local_tile(s_q[lane, None, None], (d // 16 // parts, 8), (part, 0)),
+                                      r_q_part_pieces)
+                cute.gemm(tiled_mma, r_s, r_q_part, r_k, r_s)
             for v in cutlass.range_constexpr(cute.size(r_s)):
                 valid = first + score_key(v, kq) < v_end
                 r_s[v] = Float32(cutlass.select_(valid, r_s[v] * score_scale, -Float32.inf))
             online_softmax_update(r_s, acc_o, row_max, row_sum)
             # S's accumulator layout is P V's A layout: the same 8 values in the same order.
             flat(r_p).store(flat(r_s).load().to(self.mma_dtype))
-            for part in cutlass.range_constexpr(pv_parts):
-                self.v_fragment(sV_warp[stage, None, None, None], r_v, g, kq, part * self.v_pieces // pv_parts)
-                acc_part = cute.make_tensor(acc_o.iterator + part * cute.size(acc_o) // pv_parts,
-                                            cute.make_layout(((2, 2), 1, d // 8 // pv_parts)))
+            for part in cutlass.range_constexpr(parts):
+                self.v_fragment(sV_warp[stage, None, None, None], r_v, g, kq, part * self.v_pieces // parts)
+                acc_part = cute.make_tensor(acc_o.iterator + part * cute.size(acc_o) // parts,
+                                            cute.make_layout(((2, 2), 1, d // 8 // parts)))
                 cute.gemm(tiled_mma, acc_part, r_p, r_v, acc_part)
         # --8<-- [end:main_loop]
 
@@ -713,70 +826,43 @@ class TensorCoreDecode:
             out_scale = mVScale[cutlass.min(head_kv, mVScale.shape[0] - 1)]
         # One thread per (head, 4 columns): the warps' weights once per head, 16-byte stores.
         head_quads = d // 4  # 4-column pieces of one head's row
+        per_thread = (ROWS * head_quads + NUM_THREADS - 1) // NUM_THREADS
         o_part = cute.make_rmem_tensor((4,), Float32)
-        for k in cutlass.range_constexpr((ROWS * head_quads + NUM_THREADS - 1) // NUM_THREADS):
-            quad = tidx + k * NUM_THREADS
-            h = cutlass.min(quad // head_quads, heads_here - 1)  # spare threads redo a real head, never stored
-            lse = split_partial(s_max, s_sum, s_acc, h, quad % head_quads, o_part)
+        for k in cutlass.range_constexpr(per_thread):
+            h, quad, real = self.combine_item(k, heads_here)
+            lse = split_partial(s_max, s_sum, s_acc, h, quad, o_part)
             if cutlass.const_expr(self.fp8):
                 for i in cutlass.range_constexpr(4):
                     o_part[i] = o_part[i] * out_scale
-            if quad // head_quads < heads_here:
-                cute.autovec_copy(o_part, cute.local_tile(mPartO[batch, first_head + h, split, None], (4,),
-                                                          (quad % head_quads,)))
-                if quad % head_quads == 0:
+            if real:
+                cute.autovec_copy(o_part, cute.local_tile(mPartO[batch, first_head + h, split, None], (4,), (quad,)))
+                if quad == 0:
                     mPartLSE[batch, first_head + h, split] = lse
         # --8<-- [end:merge_warps]
 
         # --8<-- [start:last_block]
-        counter = mCounters.iterator + (batch * kv_ctas + kv_chunk)
-        if arrive_and_elect_last(counter, num_splits, s_flag) == 1:
-            # This CTA finished last: every split's partial is in the workspace.
-            # Each thread owns 4 columns of one head (a 16-byte load per split)
-            # and folds the splits in one pass, in rounds: first the loads of
-            # combine_loads() splits, all in flight at once, then their folds. The
-            # partials sit in L2, and this chain of L2 round trips is the end of
-            # the kernel.
-            per_thread = (ROWS * head_quads + NUM_THREADS - 1) // NUM_THREADS
-            per_round = max(1, combine_loads(d) // per_thread)  # splits per round
-            o = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 4), order=(1, 0)), Float32)
-            state = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, 2), order=(1, 0)), Float32)
-            parts = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, per_round, 4), order=(2, 1, 0)),
-                                          Float32)
-            lses = cute.make_rmem_tensor(cute.make_ordered_layout((per_thread, per_round), order=(1, 0)), Float32)
-            o.fill(0.0)
-            for k in cutlass.range_constexpr(per_thread):
-                state[k, 0] = -Float32.inf
-                state[k, 1] = Float32(0.0)
-            for first_split in cutlass.range(0, num_splits, per_round, unroll=1):
-                for k in cutlass.range_constexpr(per_thread):
-                    quad = tidx + k * NUM_THREADS
-                    h = cutlass.min(quad // head_quads, heads_here - 1)  # spare threads redo a real head, never stored
-                    for j in cutlass.range_constexpr(per_round):
-                        # Past the last split: reload it and fold it in with LSE -inf, which adds nothing.
-                        s = cutlass.min(first_split + j, num_splits - 1)
-                        cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,),
-                                                          (quad % head_quads,)), parts[k, j, None])
-                        lses[k, j] = Float32(cutlass.select_(first_split + j < num_splits,
-                                                             mPartLSE[batch, first_head + h, s], -Float32.inf))
-                for k in cutlass.range_constexpr(per_thread):
-                    for j in cutlass.range_constexpr(per_round):
-                        fold_in_split(lses[k, j], parts[k, j, None], state[k, None], o[k, None])
-            out = cute.make_rmem_tensor((4,), self.q_dtype)
-            for k in cutlass.range_constexpr(per_thread):
-                quad = tidx + k * NUM_THREADS
-                h = cutlass.min(quad // head_quads, heads_here - 1)
-                sink_log2 = Float32(0.0)
-                if cutlass.const_expr(self.has_sink):
-                    sink_log2 = mSink[first_head + h] * LOG2_E
-                lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
-                if quad // head_quads < heads_here:  # a real head (heads_here <= ROWS, so also a real piece)
-                    for i in cutlass.range_constexpr(4):
-                        out[i] = o[k, i].to(self.q_dtype)
-                    cute.autovec_copy(out, cute.local_tile(mO[batch, first_head + h, None], (4,), (quad % head_quads,)))
-                    if cutlass.const_expr(self.write_lse):
-                        if quad % head_quads == 0:
-                            mLSE[batch, first_head + h] = lse * LN_2  # natural log, as the API returns it
+        # Two levels of last CTAs: the splits form groups of SPLITS_PER_GROUP. The last CTA of a group
+        # folds the group's partials; with more than one group it writes the group's (O, LSE) into
+        # workspace slot num_splits + group, and the last of the groups' last CTAs folds those into O.
+        # The CTA that finishes the sequence reads SPLITS_PER_GROUP + num_groups partials, not
+        # num_splits: 24 instead of 128 for 128 splits.
+        num_groups = (num_splits + SPLITS_PER_GROUP - 1) // SPLITS_PER_GROUP
+        group = split // SPLITS_PER_GROUP
+        group_first = group * SPLITS_PER_GROUP
+        splits_in_group = cutlass.min(num_splits - group_first, Int32(SPLITS_PER_GROUP))
+        # num_groups + 1 counters per (sequence, head chunk): one per group, then the one of the groups.
+        counters = mCounters.iterator + (batch * kv_ctas + kv_chunk) * (num_groups + 1)
+        last = arrive_and_elect_last(counters + group, splits_in_group, s_flag)
+        first, count = group_first, splits_in_group
+        if num_groups > 1:
+            if last == 1:  # this CTA finished its group: fold the group into its slot
+                self.combine(mPartO, mPartLSE, mO, mLSE, mSink, batch, first_head, heads_here, first, count,
+                             num_splits + group, final=False)
+                last = arrive_and_elect_last(counters + num_groups, num_groups, s_flag)
+            first, count = num_splits, num_groups
+        if last == 1:  # this CTA finished the sequence: every partial it folds is in the workspace
+            self.combine(mPartO, mPartLSE, mO, mLSE, mSink, batch, first_head, heads_here, first, count,
+                         Int32(0), final=True)
         # --8<-- [end:last_block]
 
 
@@ -834,21 +920,21 @@ def fake_decode_tensors(config: DecodeConfig):
     k = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
     v = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
     o = symbolic_tensor(q_dtype, ("B", "H_q", d), symbols=symbols)
-    part_o = symbolic_tensor(torch.float32, ("B", "H_q", "splits", d), symbols=symbols)
+    part_o = symbolic_tensor(torch.float32, ("B", "H_q", "slots", d), symbols=symbols)
     seqlens = small(cutlass.Int32, ("B",))
     block_table = small(cutlass.Int32, ("B_table", "max_pages"))
     sink = small(cutlass.Float32, ("H_sink",))
     k_scale = small(cutlass.Float32, ("H_k_scale",))
     v_scale = small(cutlass.Float32, ("H_v_scale",))
     lse = small(cutlass.Float32, ("B_lse", "H_lse"))
-    part_lse = small(cutlass.Float32, ("B", "H_q", "splits"))
+    part_lse = small(cutlass.Float32, ("B", "H_q", "slots"))
     counters = small(cutlass.Int32, ("counters",))
     return q, k, v, seqlens, block_table, sink, k_scale, v_scale, o, lse, part_o, part_lse, counters
 
 
 def kernel_and_args(config: DecodeConfig):
     """The kernel and the symbolic arguments it is compiled with (for every batch, length and head count)."""
-    return TensorCoreDecode(config), (*fake_decode_tensors(config), Float32(1.0), Int32(-1), Int32(0))
+    return TensorCoreDecode(config), (*fake_decode_tensors(config), Float32(1.0), Int32(-1), Int32(0), Int32(1))
 
 
 def compile_matrix() -> list[DecodeConfig]:
@@ -891,31 +977,21 @@ def ctas_per_sm(head_dim: int, cache_dtype: str = "float16") -> int:
     return max(1, min(16, by_registers, by_shared))
 
 
-def pick_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, head_dim: int = 128,
+def auto_num_splits(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sms: int, head_dim: int = 128,
                     cache_dtype: str = "float16") -> int:
-    """How many CTAs share one sequence's keys when the caller passes num_splits=0.
+    """The split count for num_splits=0: ``course.launch.pick_num_splits`` with this kernel's CTAs per
+    SM, at least MIN_KEYS_PER_SPLIT keys per split and, for few sequences, SPLIT_CTAS_PER_SM
+    (sequence, KV head) streams per SM.
 
-    ``kv_ctas``: CTAs per sequence without splitting: KV heads x ceil(G / 16),
-    so MQA (one KV head) with few sequences still fills the GPU. ``max_keys``:
-    the most keys a sequence can see, known on the host without reading the
-    lengths (CUDA-graph safe). Stage 7's rule: short sequences get 1 split and
-    no split fewer than MIN_KEYS_PER_SPLIT keys; few long sequences as many
-    splits as give every SM SPLIT_CTAS_PER_SM CTAs; a batch that already has a
-    wave's worth of CTAs the split count (at most 4) whose last wave is fullest.
+    The CTAs before splitting are B x H_kv x ceil(G / 16): MQA with few
+    sequences still fills the GPU. The ceil(G / 16) CTAs of one group read the
+    same K and V (the second reads hit L2), so they count as one stream: a
+    group of 64 heads gets 4 CTAs per SM where the kernel fits them.
     """
-    base = batch * kv_ctas
-    per_sm = ctas_per_sm(head_dim, cache_dtype)
-    resident = num_sms * per_sm
-    most = max(1, -(-max_keys // MIN_KEYS_PER_SPLIT))
-    if base < resident:
-        target = num_sms * min(SPLIT_CTAS_PER_SM, per_sm)
-        return max(1, min(most, target // base))
-
-    def wave_efficiency(splits):
-        waves = base * splits / resident
-        return waves / math.ceil(waves)
-
-    return max(range(1, min(most, 4) + 1), key=lambda splits: (wave_efficiency(splits), -splits))
+    chunks = -(-group_size // ROWS)
+    return launch.pick_num_splits(batch * heads_kv * chunks, max_keys, num_sms, ctas_per_sm(head_dim, cache_dtype),
+                                  split_ctas_per_sm=SPLIT_CTAS_PER_SM * chunks,
+                                  min_keys_per_split=MIN_KEYS_PER_SPLIT)
 # --8<-- [end:num_splits]
 
 
@@ -955,15 +1031,16 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     if num_splits == 0:
         max_keys = shape.capacity if window_size_left < 0 else min(
             shape.capacity, window_size_left + 1 + num_sink_tokens)
-        num_splits = pick_num_splits(shape.batch, kv_ctas, max_keys,
+        num_splits = auto_num_splits(shape.batch, shape.heads_kv, shape.heads_q // shape.heads_kv, max_keys,
                                      torch.cuda.get_device_properties(device).multi_processor_count,
                                      shape.head_dim, cache_dtype)
     if out is None:
         out = q.new_empty(q.shape)
     lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None
-    part_o = torch.empty(shape.batch, shape.heads_q, num_splits, shape.head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(shape.batch, shape.heads_q, num_splits, dtype=torch.float32, device=device)
-    counters = launch.decode_counters(device, shape.batch * kv_ctas)
+    slots = workspace_slots(num_splits)
+    part_o = torch.empty(shape.batch, shape.heads_q, slots, shape.head_dim, dtype=torch.float32, device=device)
+    part_lse = torch.empty(shape.batch, shape.heads_q, slots, dtype=torch.float32, device=device)
+    counters = launch.decode_counters(device, shape.batch * kv_ctas * (split_groups(num_splits) + 1))
     page_size = shape.page_size if block_table is not None else 0
     has_sink = sink_logits is not None
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, page_size, cache_dtype, has_sink,
@@ -977,7 +1054,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
            k_scale.reshape(-1) if k_scale is not None else no_scale,
            v_scale.reshape(-1) if v_scale is not None else no_scale,
            out, lse if return_lse else launch.placeholder(device, (1, 1)),
-           part_o, part_lse, counters, scale * LOG2_E, window_size_left, num_sink_tokens)
+           part_o, part_lse, counters, scale * LOG2_E, window_size_left, num_sink_tokens, num_splits)
     return (out, lse) if return_lse else out
 # --8<-- [end:api]
 

@@ -77,15 +77,15 @@ def test_enumerated_keys_are_the_visible_keys(stage, seqlen, window, sinks):
 def test_auto_split_count(stage):
     sms, heads = 132, 4
     resident = sms * stage.ctas_per_sm(heads)                       # CTAs that run at once
-    assert stage.pick_num_splits(8, 8, stage.MIN_KEYS_PER_SPLIT, sms, heads) == 1  # short sequences: one split
+    assert stage.auto_num_splits(8, 8, stage.MIN_KEYS_PER_SPLIT, sms, heads) == 1  # short sequences: one split
     target = sms * stage.SPLIT_CTAS_PER_SM                          # few sequences: 2 CTAs on every SM
-    one_long = stage.pick_num_splits(1, 8, 131072, sms, heads)
+    one_long = stage.auto_num_splits(1, 8, 131072, sms, heads)
     assert one_long * 8 <= target < (one_long + 1) * 8
-    assert stage.pick_num_splits(8, 8, 4096, sms, heads) * 64 <= target  # no SM gets 3 CTAs while others get 2
-    big = stage.pick_num_splits(64, 8, 4096, sms, heads)            # a big batch: a well-filled last wave
+    assert stage.auto_num_splits(8, 8, 4096, sms, heads) * 64 <= target  # no SM gets 3 CTAs while others get 2
+    big = stage.auto_num_splits(64, 8, 4096, sms, heads)            # a big batch: a well-filled last wave
     waves = 64 * 8 * big / resident
     assert big <= 4 and waves / math.ceil(waves) > 0.9
-    assert stage.pick_num_splits(1, 8, 1024, sms, heads) <= 1024 // stage.MIN_KEYS_PER_SPLIT
+    assert stage.auto_num_splits(1, 8, 1024, sms, heads) <= 1024 // stage.MIN_KEYS_PER_SPLIT
 
 
 # ---------------------------------------------------------------- your kernel's helpers on the CPU

@@ -48,12 +48,27 @@ def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
     sms = 132
     target = sms * stage.SPLIT_CTAS_PER_SM
     # MQA with few sequences: 16 sequences x 1 KV head are 16 CTAs before splitting.
-    mqa = stage.pick_num_splits(16, 1, 16384, sms)
+    mqa = stage.auto_num_splits(16, 1, 8, 16384, sms)
     assert mqa * 16 <= target < (mqa + 1) * 16
-    assert stage.pick_num_splits(8, 8, stage.MIN_KEYS_PER_SPLIT, sms) == 1  # short sequences: one split
-    big = stage.pick_num_splits(64, 8, 4096, sms)                          # a big batch: a well-filled last wave
+    assert stage.auto_num_splits(8, 8, 4, stage.MIN_KEYS_PER_SPLIT, sms) == 1  # short sequences: one split
+    big = stage.auto_num_splits(64, 8, 4, 4096, sms)                          # a big batch: a well-filled last wave
     waves = 64 * 8 * big / (sms * stage.ctas_per_sm(128))
     assert big <= 4 and waves / math.ceil(waves) > 0.9
+    # One MQA sequence of 32k keys: a CTA on (almost) every SM, splits of MIN_KEYS_PER_SPLIT keys.
+    assert stage.auto_num_splits(1, 1, 8, 32768, sms) == 32768 // stage.MIN_KEYS_PER_SPLIT
+    # 64 heads on one KV head are 4 CTAs reading the same K and V: as many splits as for one CTA,
+    # up to the CTAs that fit on an SM.
+    wide = stage.auto_num_splits(8, 1, 64, 32768, sms)
+    assert wide * 8 * 4 <= sms * stage.ctas_per_sm(128) < (wide + 1) * 8 * 4
+
+
+def test_two_levels_of_last_ctas(stage):
+    """Up to SPLITS_PER_GROUP splits: one group, whose last CTA writes O. More: a workspace slot per
+    group after the splits' slots, and the final combine reads a group's splits plus the groups."""
+    per_group = stage.SPLITS_PER_GROUP
+    assert stage.workspace_slots(1) == 1 and stage.workspace_slots(per_group) == per_group
+    assert stage.split_groups(per_group + 1) == 2 and stage.workspace_slots(per_group + 1) == per_group + 3
+    assert stage.workspace_slots(128) == 128 + 128 // per_group
 
 
 # ---------------------------------------------------------------- validation (CPU)
@@ -182,7 +197,7 @@ def test_every_split_count_gives_the_same_result(stage, layout):
     inputs = testing.random_decode_inputs([2, 128, 4097, 32768], 16, 2, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=11)
     results = {}
-    for num_splits in (*range(1, 9), 16, 33, 64, 0):
+    for num_splits in (*range(1, 9), 16, 17, 33, 64, 100, 300, 0):  # 17 and up: two levels of last CTAs
         _, results[num_splits] = run(stage, inputs, f"{layout}, num_splits={num_splits}", num_splits=num_splits)
     for num_splits, out in results.items():
         torch.testing.assert_close(out, results[1], rtol=2e-3, atol=2e-3,
@@ -190,10 +205,11 @@ def test_every_split_count_gives_the_same_result(stage, layout):
 
 
 @pytest.mark.gpu
-def test_back_to_back_launches_reset_the_counters(stage):
+@pytest.mark.parametrize("num_splits", [7, 37], ids=["one-level", "two-level"])
+def test_back_to_back_launches_reset_the_counters(stage, num_splits):
     """200 launches in a row: a counter left non-zero would stop the next launch from combining."""
     inputs = testing.random_decode_inputs([4097, 300, 1], 16, 2, 128, torch.float16, page_size=64, seed=3)
-    outs = [stage.decode_attention(**inputs, num_splits=7, out=testing.poisoned_like(inputs["q"]))
+    outs = [stage.decode_attention(**inputs, num_splits=num_splits, out=testing.poisoned_like(inputs["q"]))
             for _ in range(200)]
     testing.assert_decode_matches(outs[0], inputs, "launch 1 of 200")
     for i, out in enumerate(outs):
@@ -210,18 +226,18 @@ def test_cuda_graph_replay(stage, fp8):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        stage.decode_attention(**inputs, **scales, num_splits=5, out=out)  # compile, allocate the counters
+        stage.decode_attention(**inputs, **scales, num_splits=37, out=out)  # compile, allocate the counters
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        stage.decode_attention(**inputs, **scales, num_splits=5, out=out)
+        stage.decode_attention(**inputs, **scales, num_splits=37, out=out)  # two levels of last CTAs
     gen = torch.Generator(device="cuda").manual_seed(0)
     for replay in range(200):
         inputs["q"].copy_(torch.randn(inputs["q"].shape, generator=gen, device="cuda"))
         out.fill_(float("nan"))
         graph.replay()
         if replay in (0, 1, 199):
-            eager = stage.decode_attention(**inputs, **scales, num_splits=5)
+            eager = stage.decode_attention(**inputs, **scales, num_splits=37)
             torch.cuda.synchronize()
             assert torch.equal(out, eager), f"CUDA graph replay {replay + 1} differs from an eager launch"
             testing.assert_decode_matches(out, inputs, f"CUDA graph replay {replay + 1}", **scales)
