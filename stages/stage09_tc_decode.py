@@ -130,9 +130,9 @@ def q_fragment_bytes(head_dim: int) -> int:
 
 def combine_loads(head_dim: int) -> tuple[int, int]:
     """(items, slots): a combining thread folds that many of its (head, 4 columns) items at once,
-    each over that many slots per round: 16 16-byte loads in flight. At D = 256 (8 items per
-    thread) two passes of 4 items: more at once would spill, as the MMA fragments hold most of the
-    registers."""
+    each over that many slots per round: all its items with 16 16-byte loads in flight at D <= 128
+    (4 items at D = 128, 2 at D = 64); at D = 256 one item at a time over 8 slots, as more would
+    spill: the MMA fragments hold most of the registers."""
     if head_dim > 128:
         return 1, 8
     items = ROWS * head_dim // 4 // NUM_THREADS

@@ -54,24 +54,36 @@ def test_split_model_matches_reference_for_any_split_count(stage, page_size, fea
         torch.testing.assert_close(lse[finite].float(), ref_lse[finite], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads", [4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_split_ranges_cover_the_visible_keys_once(stage, head_dim, heads):
-    step = stage.keys_per_iteration(head_dim, heads)
-    for num_visible, num_splits in itertools.product([0, 1, step - 1, step, step + 1, 1000, 4097], [1, 2, 7, 33]):
-        ranges = [stage.split_range(num_visible, num_splits, s, head_dim, heads) for s in range(num_splits)]
+def check_split_ranges(split_range, step: int, split_counts=(1, 2, 7, 33)):
+    """``split_range(num_visible, num_splits, split)`` cuts the visible keys into consecutive ranges
+    that start on whole iterations of ``step`` keys (shared with stage 9's test)."""
+    for num_visible, num_splits in itertools.product([0, 1, step - 1, step, step + 1, 1000, 4097], split_counts):
+        ranges = [split_range(num_visible, num_splits, s) for s in range(num_splits)]
         assert ranges[0][0] == 0 and ranges[-1][1] == num_visible
         for (b0, e0), (b1, e1) in zip(ranges, ranges[1:]):
             assert e0 == b1 and b0 <= e0 and b1 <= e1
         assert all(b % step == 0 or b == num_visible for b, _ in ranges), "splits start on whole iterations"
 
 
-@pytest.mark.parametrize("seqlen, window, sinks", [(10, -1, 0), (10, 3, 0), (10, 3, 2), (10, 3, 8), (10, 0, 0),
-                                                   (3, 5, 2), (0, 4, 2), (1, 0, 1)])
-def test_enumerated_keys_are_the_visible_keys(stage, seqlen, window, sinks):
-    keys = stage.visible_keys_of(seqlen, window, sinks)
+@pytest.mark.parametrize("heads", [4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_split_ranges_cover_the_visible_keys_once(stage, head_dim, heads):
+    check_split_ranges(lambda n, splits, s: stage.split_range(n, splits, s, head_dim, heads),
+                       stage.keys_per_iteration(head_dim, heads))
+
+
+VISIBLE_KEY_CASES = [(10, -1, 0), (10, 3, 0), (10, 3, 2), (10, 3, 8), (10, 0, 0), (3, 5, 2), (0, 4, 2), (1, 0, 1)]
+
+
+def check_visible_keys(visible_keys_of, seqlen: int, window: int, sinks: int):
+    """The keys the kernel enumerates are exactly the reference mask's (shared with stage 9's test)."""
     mask = reference.decode_visible_keys(seqlen, window_size_left=window, num_sink_tokens=sinks)
-    assert keys == mask.nonzero().flatten().tolist()
+    assert visible_keys_of(seqlen, window, sinks) == mask.nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("seqlen, window, sinks", VISIBLE_KEY_CASES)
+def test_enumerated_keys_are_the_visible_keys(stage, seqlen, window, sinks):
+    check_visible_keys(stage.visible_keys_of, seqlen, window, sinks)
 
 
 def test_auto_split_count(stage):

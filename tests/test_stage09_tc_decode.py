@@ -1,13 +1,12 @@
 """Stage 9 checks: validation (FP8 scales too), cross-compile (CPU) and numerics on a Hopper GPU, for every grouping."""
 
-import itertools
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from test_stage07_decode import BAD_INPUTS as STAGE7_BAD_INPUTS
-from test_stage07_decode import cpu_inputs, replaced
+from test_stage07_decode import VISIBLE_KEY_CASES, check_split_ranges, check_visible_keys, cpu_inputs, replaced
 
 from course import kv_cache, reference, stages, testing
 
@@ -27,21 +26,12 @@ def solution():
 # ---------------------------------------------------------------- the split arithmetic (CPU)
 
 def test_split_ranges_cover_the_visible_keys_once(stage):
-    step = stage.KEYS_PER_ITERATION
-    for num_visible, num_splits in itertools.product([0, 1, step - 1, step, step + 1, 1000, 4097], [1, 2, 7, 33, 64]):
-        ranges = [stage.split_range(num_visible, num_splits, s) for s in range(num_splits)]
-        assert ranges[0][0] == 0 and ranges[-1][1] == num_visible
-        for (b0, e0), (b1, e1) in zip(ranges, ranges[1:]):
-            assert e0 == b1 and b0 <= e0 and b1 <= e1
-        assert all(b % step == 0 or b == num_visible for b, _ in ranges), "splits start on whole iterations"
+    check_split_ranges(stage.split_range, stage.KEYS_PER_ITERATION, split_counts=(1, 2, 7, 33, 64))
 
 
-@pytest.mark.parametrize("seqlen, window, sinks", [(10, -1, 0), (10, 3, 0), (10, 3, 2), (10, 3, 8), (10, 0, 0),
-                                                   (3, 5, 2), (0, 4, 2), (1, 0, 1)])
+@pytest.mark.parametrize("seqlen, window, sinks", VISIBLE_KEY_CASES)
 def test_enumerated_keys_are_the_visible_keys(stage, seqlen, window, sinks):
-    keys = stage.visible_keys_of(seqlen, window, sinks)
-    mask = reference.decode_visible_keys(seqlen, window_size_left=window, num_sink_tokens=sinks)
-    assert keys == mask.nonzero().flatten().tolist()
+    check_visible_keys(stage.visible_keys_of, seqlen, window, sinks)
 
 
 def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
