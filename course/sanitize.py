@@ -115,10 +115,20 @@ def launch_stage(number: int) -> None:
         inputs = testing.random_decode_inputs([129, 5], 4, 4, 64, torch.bfloat16, seed=2)
         module.decode_attention(**inputs, num_splits=2)
         if number >= 9:  # an FP8 cache, a group of 24 query heads (two CTAs of 16 rows), D = 256
+            from unittest import mock
+
             from course import kv_cache
 
             inputs = testing.random_decode_inputs([300, 17], 24, 1, 256, torch.float16, page_size=32, seed=3)
             module.decode_attention(**kv_cache.fp8_decode_inputs(inputs), num_splits=2, return_lse=True)
+            # Groups of 24 and 64 heads on 2 and 4 row tiles per CTA, which only launches that fill the GPU
+            # pick on their own: forced here.
+            most_tiles = lambda batch, heads_kv, group, keys, sms, head_dim, cache: module.row_tiles(group, head_dim)  # noqa: E731
+            with mock.patch.object(module, "pick_row_tiles", most_tiles):
+                for heads_q, heads_kv in ((48, 2), (64, 1)):
+                    inputs = testing.random_decode_inputs([300, 70], heads_q, heads_kv, 128, torch.float16,
+                                                          page_size=16, seed=heads_q)
+                    module.decode_attention(**inputs, num_splits=3, return_lse=True)
     else:
         features = [{}]
         if number >= 4:

@@ -16,11 +16,13 @@ for the next launch. What changes:
 
 1. GQA packing: the group's query heads are the 16 rows (M) of
    ``mma.sync.m16n8k16``; a group of G <= 16 heads is one CTA (rows G..15
-   compute and are never stored), a larger group takes ceil(G / 16) CTAs.
-   Each of the 4 warps takes its own 16 keys per loop iteration: S = Q K^T is
-   2 MMAs per 16 columns of D (K's 8 keys are N), P V is one MMA per 8 columns
-   of D (the 16 keys are K), and P never leaves the registers: the MMA's
-   accumulator layout for S is its operand layout for P.
+   compute and are never stored). Each of the 4 warps takes its own 16 keys
+   per loop iteration: S = Q K^T is 2 MMAs per 16 columns of D (K's 8 keys
+   are N), P V is one MMA per 8 columns of D (the 16 keys are K), and P never
+   leaves the registers: the MMA's accumulator layout for S is its operand
+   layout for P. A larger group takes ceil(G / 16) such CTAs, or, when the
+   launch fills the GPU, one CTA of 2 or 4 row tiles (a warp per 16 heads,
+   each reading all the iteration's keys), so that K and V are read once.
 2. Whole-row copies, fragment-order reads: each warp copies its 16 keys' K
    and V rows whole (lane l copies 16-byte chunk l % chunks of a row, so
    every copy instruction reads whole rows, like stage 7's) into its own
@@ -70,7 +72,8 @@ STAGE = 9
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask
 CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
-ROWS = 16  # query heads one CTA computes: the M of mma.sync.m16n8k16
+ROWS = 16  # query heads of one row tile: the M of mma.sync.m16n8k16
+ROW_TILES = (1, 2, 4)  # row tiles per CTA (row_tiles()): the compiled variants
 NUM_WARPS = 4
 NUM_THREADS = 32 * NUM_WARPS
 KEYS_PER_WARP = 16  # keys a warp takes per loop iteration: 2 MMA columns blocks (N = 8) of S, one K block of P V
@@ -86,12 +89,16 @@ LN_2 = math.log(2.0)
 # of them outrun HBM (stage 7 aims at 2 CTAs), and no split under 4 loop iterations, whose fixed
 # cost (the first copies' latency, the merge, the arrival) a shorter split does not repay.
 MIN_KEYS_PER_SPLIT = 256
+# Row tiles (one CTA for up to 64 heads) give each warp 1, 2 or 4 times the math per key: they pay
+# when the launch fills every CTA slot with splits of at least this many keys (measured on the H100,
+# "Row tiles" on the page); with fewer, ceil(G / 16) CTAs of one tile, 4x the warps, finish sooner.
+MIN_KEYS_PER_TILED_SPLIT = 1024
 SPLIT_CTAS_PER_SM = 1
 # Splits whose partials the last CTA of their group folds first: the final combine then reads
 # SPLITS_PER_GROUP + num_splits / SPLITS_PER_GROUP partials instead of num_splits.
 SPLITS_PER_GROUP = 16
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 254, (256, 2): 255, (64, 1): 162, (128, 1): 208, (256, 1): 255}
+REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 254, (256, 2): 255, (64, 1): 168, (128, 1): 208, (256, 1): 255}
 # Register spill ptxas may leave, by (head dim, cache bytes): at D = 256 with a 16-bit cache the O
 # accumulator alone is 128 registers and ptxas, at its 255 cap, keeps up to 24 bytes (a few loop
 # invariants) in local memory in some configurations, although Q K^T and P V run in halves of D.
@@ -112,20 +119,58 @@ def v_piece(cache_dtype: str, head_dim: int) -> int:
     return min(16 // cache_bytes(cache_dtype), head_dim // 8)
 
 
+# --8<-- [start:row_tiles]
+def row_tiles(group_size: int, head_dim: int = 128) -> int:
+    """The most row tiles of 16 heads one CTA can compute, each on NUM_WARPS / row_tiles warps: 1 up
+    to 16 heads, 2 up to 32, else 4 (one per warp), so that a group of up to 64 heads reads K and V
+    once. At D = 256 always 1: the warp's slice loop would spill and Q's fragments fill shared memory."""
+    if head_dim > 128:
+        return 1
+    tiles = -(-group_size // ROWS)
+    return tiles if tiles <= 2 else NUM_WARPS
+
+
+def head_chunks(group_size: int, tiles: int) -> int:
+    """CTAs (per split) that one KV head's group of query heads takes with ``tiles`` row tiles each."""
+    return -(-group_size // (ROWS * tiles))
+
+
+def pick_row_tiles(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sms: int, head_dim: int = 128,
+                   cache_dtype: str = "float16") -> int:
+    """The row tiles a launch uses: row_tiles(G, D) when its streams, cut into splits of at least
+    MIN_KEYS_PER_TILED_SPLIT keys, fill every CTA slot of the GPU; else 1.
+
+    With few or short sequences the ceil(G / 16) CTAs of one tile each win:
+    4 times the warps work on the same keys, and L2 serves the repeated reads.
+    With a full GPU the repeated reads cost: at B = 8, L = 128k, 64/1, one CTA
+    of 4 tiles took 239 us where 4 CTAs of one tile took 402 (H100). An FP8
+    cache keeps one tile: its repeated reads are half the bytes, and one tile
+    per CTA measured 5-16% faster at 64/2, 48/2 and B = 8, L = 128k, 64/1,
+    3-4% slower at B = 64.
+    """
+    tiles = row_tiles(group_size, head_dim)
+    if tiles == 1 or cache_dtype == "float8_e4m3fn":
+        return 1
+    streams = batch * heads_kv * head_chunks(group_size, tiles)
+    slots = num_sms * ctas_per_sm(head_dim, cache_dtype, tiles)
+    return tiles if streams * (max_keys // MIN_KEYS_PER_TILED_SPLIT) >= slots else 1
+# --8<-- [end:row_tiles]
+
+
 def work_bytes(head_dim: int, cache_dtype: str) -> int:
     """Shared memory for the cp.async ring, reused by the merge: the larger of the two.
 
     The ring holds STAGES iterations of every warp's 16 keys (K and V rows);
-    the merge holds every warp's max, sum and O rows (fp32) for the 16 heads.
+    the merge holds every warp's max, sum and O rows (fp32) for its 16 heads.
     """
     ring = STAGES * KEYS_PER_ITERATION * 2 * head_dim * cache_bytes(cache_dtype)
     merge = 4 * NUM_WARPS * ROWS * (head_dim + 2)
     return max(ring, merge)
 
 
-def q_fragment_bytes(head_dim: int) -> int:
-    """Shared memory for Q's MMA fragment (D > 128 only): 32 lanes x D / 2 values of 2 bytes."""
-    return 32 * head_dim if head_dim > 128 else 4
+def q_fragment_bytes(head_dim: int, tiles: int = 1) -> int:
+    """Shared memory for Q's MMA fragments (D > 128 only): per row tile, 32 lanes x D / 2 values of 2 bytes."""
+    return 32 * head_dim * tiles if head_dim > 128 else 4
 
 
 def combine_loads(head_dim: int) -> tuple[int, int]:
@@ -371,7 +416,8 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
 
 
 class TensorCoreDecode:
-    """Grid (num_splits, H_kv x head chunks, B); one CTA = one split of one KV head's keys, up to 16 query heads."""
+    """Grid (num_splits, H_kv x head chunks, B); one CTA = one split of one KV head's keys, for up to
+    16 x row_tiles query heads."""
 
     num_threads = NUM_THREADS
 
@@ -397,6 +443,11 @@ class TensorCoreDecode:
         # At D = 256 the O accumulator alone takes 128 registers: Q's fragment waits in shared memory
         # and is read back every iteration (it is the same for every warp: one copy per lane).
         self.q_in_shared = config.head_dim > 128
+        # Row tiles: the CTA's warps split into row_tiles teams of key_groups warps; a team computes
+        # 16 heads, each of its warps 16 x row_tiles of each iteration's keys (all of them for 4 tiles).
+        self.row_tiles = config.row_tiles
+        self.key_groups = NUM_WARPS // config.row_tiles
+        self.rows = ROWS * config.row_tiles  # query heads per CTA
 
     @cute.jit
     def __call__(
@@ -421,7 +472,7 @@ class TensorCoreDecode:
         stream,
     ):
         work_words = work_bytes(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16") // 4
-        q_words = q_fragment_bytes(self.head_dim) // 4
+        q_words = q_fragment_bytes(self.head_dim, self.row_tiles) // 4
 
         @cute.struct
         class SharedStorage:
@@ -434,14 +485,15 @@ class TensorCoreDecode:
 
         # --8<-- [start:grid]
         batch, heads_q, heads_kv = mQ.shape[0], mQ.shape[1], mK.shape[2]
-        chunks = (heads_q // heads_kv + ROWS - 1) // ROWS
+        chunks = (heads_q // heads_kv + self.rows - 1) // self.rows
         grid = (num_splits, heads_kv * chunks, batch)
         # --8<-- [end:grid]
         self.kernel(
             mQ, mK, mV, mSeqlens, mBlockTable, mSink, mKScale, mVScale, mO, mLSE, mPartO, mPartLSE, mCounters,
             scale_log2, window_left, num_sink_tokens,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=ctas_per_sm(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16"),
+                 min_blocks_per_mp=ctas_per_sm(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16",
+                                               self.row_tiles),
                  preferred_smem_carveout=100)
 
     # --8<-- [start:key_row]
@@ -501,6 +553,17 @@ class TensorCoreDecode:
             cute.copy(atom, cute.local_tile(self.kv_row(mV, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
                       sV[tile_row, at, None])
     # --8<-- [end:issue_loads]
+
+    # --8<-- [start:ring_barrier]
+    @cute.jit
+    def ring_barrier(self):
+        """Before a ring stage is read, and before it is refilled: with one row tile a warp reads only the
+        rows it copied (the warp waits for its lanes); with more, every warp reads every warp's rows."""
+        if cutlass.const_expr(self.row_tiles == 1):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.sync_threads()
+    # --8<-- [end:ring_barrier]
 
     # --8<-- [start:to_registers]
     @cute.jit
@@ -564,7 +627,7 @@ class TensorCoreDecode:
     @cute.jit
     def combine_item(self, k: int, heads_here: Int32):
         """The combine's item k of this thread: (head, 4-column piece, a real head?). Thread t takes
-        pieces t, t + 128, ... of the 16 heads' rows; spare threads redo a real head, never stored."""
+        pieces t, t + 128, ... of the CTA's heads' rows; spare threads redo a real head, never stored."""
         tidx, _, _ = cute.arch.thread_idx()
         head_quads = self.head_dim // 4
         item = tidx + k * NUM_THREADS
@@ -590,7 +653,7 @@ class TensorCoreDecode:
         parts = cute.make_rmem_tensor(cute.make_ordered_layout((items, per_round, 4), order=(2, 1, 0)), Float32)
         lses = cute.make_rmem_tensor(cute.make_ordered_layout((items, per_round), order=(1, 0)), Float32)
         out = cute.make_rmem_tensor((4,), self.q_dtype)
-        for first_item in cutlass.range_constexpr(0, ROWS * self.head_dim // 4 // NUM_THREADS, items):
+        for first_item in cutlass.range_constexpr(0, self.rows * self.head_dim // 4 // NUM_THREADS, items):
             o.fill(0.0)
             for k in cutlass.range_constexpr(items):
                 state[k, 0] = -Float32.inf
@@ -657,13 +720,13 @@ class TensorCoreDecode:
         num_splits, kv_ctas, _ = cute.arch.grid_dim()
 
         # --8<-- [start:heads]
-        # GQA packing: the CTA's query heads are up to 16 consecutive heads of one KV head's group,
-        # the rows of the MMAs.
+        # GQA packing: the CTA's query heads are up to 16 x row_tiles consecutive heads of one KV
+        # head's group, the rows of the MMAs.
         group_size = mQ.shape[1] // mK.shape[2]
-        chunks = (group_size + ROWS - 1) // ROWS
+        chunks = (group_size + self.rows - 1) // self.rows
         head_kv = kv_chunk // chunks
-        first_head = head_kv * group_size + (kv_chunk % chunks) * ROWS
-        heads_here = cutlass.min(group_size - (kv_chunk % chunks) * ROWS, Int32(ROWS))
+        first_head = head_kv * group_size + (kv_chunk % chunks) * self.rows
+        heads_here = cutlass.min(group_size - (kv_chunk % chunks) * self.rows, Int32(self.rows))
         # --8<-- [end:heads]
 
         # --8<-- [start:threads]
@@ -671,6 +734,8 @@ class TensorCoreDecode:
         lane = tidx % 32
         g = lane // 4   # the thread's MMA rows g, g + 8 and B column g
         kq = lane % 4   # its MMA columns 2kq, 2kq + 1 (+ 8)
+        tile = warp_idx // self.key_groups       # the warp's row tile: heads 16 tile .. 16 tile + 15 of the CTA's
+        key_group = warp_idx % self.key_groups   # its share of each iteration's keys: 16-key slices
         # --8<-- [end:threads]
 
         smem = SmemAllocator()
@@ -683,10 +748,12 @@ class TensorCoreDecode:
         sV = cute.make_tensor(cute.recast_ptr(storage.work.data_ptr() + k_ring_words, dtype=self.cache_dtype), ring)
         # After the main loop the ring is free: the merge reuses its bytes.
         work = storage.work.data_ptr()
-        s_max = cute.make_tensor(work, cute.make_layout((NUM_WARPS, ROWS), stride=(ROWS, 1)))
-        s_sum = cute.make_tensor(work + NUM_WARPS * ROWS, cute.make_layout((NUM_WARPS, ROWS), stride=(ROWS, 1)))
+        # [key group, head of the CTA]: every warp's state for its 16 heads (NUM_WARPS x 16 rows in all).
+        s_max = cute.make_tensor(work, cute.make_layout((self.key_groups, self.rows), stride=(self.rows, 1)))
+        s_sum = cute.make_tensor(work + NUM_WARPS * ROWS,
+                                 cute.make_layout((self.key_groups, self.rows), stride=(self.rows, 1)))
         s_acc = cute.make_tensor(work + 2 * NUM_WARPS * ROWS,
-                                 cute.make_layout((NUM_WARPS, ROWS, d), stride=(ROWS * d, d, 1)))
+                                 cute.make_layout((self.key_groups, self.rows, d), stride=(self.rows * d, d, 1)))
         s_flag = storage.flag.get_tensor(cute.make_layout(1))
 
         # --8<-- [start:fragments_setup]
@@ -695,7 +762,7 @@ class TensorCoreDecode:
         # (column + 1, row + 8, column + 8): rows g, g + 8 (heads), the columns of this thread's K pieces.
         r_q = cute.make_rmem_tensor(((2, 2, 2), 1, d // 16), self.mma_dtype)
         for r in cutlass.range_constexpr(2):
-            head = first_head + cutlass.min(g + 8 * r, heads_here - 1)  # spare rows repeat a real head
+            head = first_head + cutlass.min(ROWS * tile + g + 8 * r, heads_here - 1)  # spare rows repeat a real head
             for p in cutlass.range_constexpr(self.k_pieces):
                 raw = cute.make_rmem_tensor((self.k_elems,), self.q_dtype)
                 cute.autovec_copy(cute.local_tile(mQ[batch, head, None], (self.k_elems,), (4 * p + kq,)), raw)
@@ -704,13 +771,13 @@ class TensorCoreDecode:
                 for e in cutlass.range_constexpr(self.k_elems):
                     # TODO(stage 9): Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8).
                     raise NotImplementedError('TODO(stage 9) in kernel(): Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8). Hints: docs/stages/09-tc-decode.md')
-        # [lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
+        # [row tile, lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
         s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
-                               cute.make_ordered_layout((32, d // 16, 8), order=(1, 2, 0)))
+                               cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))
         r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
         if cutlass.const_expr(self.q_in_shared):
-            if warp_idx == 0:
-                cute.autovec_copy(r_q_pieces, s_q[lane, None, None])
+            if key_group == 0:  # one copy per row tile: its warps hold the same fragment
+                cute.autovec_copy(r_q_pieces, s_q[tile, lane, None, None])
             cute.arch.sync_threads()
         # Q K^T and P V in parts of the head dim: at D = 256 half of Q's, K's and V's fragments at a
         # time (registers).
@@ -773,7 +840,7 @@ class TensorCoreDecode:
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
             # Every lane has read iteration it - 1's tiles before any lane refills them.
-            cute.arch.sync_warp()
+            self.ring_barrier()
             if ahead < num_iters:
                 issue_loads(sK_warp[ahead % STAGES, None, None, None], sV_warp[ahead % STAGES, None, None, None],
                             mK, mV, r_pages[STAGES - 1, None], batch, head_kv, warp_first + ahead * step, v_end,
@@ -783,27 +850,32 @@ class TensorCoreDecode:
                              v_end, n_sink, lo, lane)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(STAGES - 1)  # this lane's copies of iteration it have landed...
-            cute.arch.sync_warp()  # ...and every lane's: the fragments read rows other lanes copied
+            self.ring_barrier()  # ...and every lane's: the fragments read rows other lanes copied
             stage = it % STAGES
-            first = warp_first + it * step
-            r_s.fill(0.0)
-            for part in cutlass.range_constexpr(parts):
-                self.k_fragment(sK_warp[stage, None, None, None], r_k, g, kq, part * self.k_pieces // parts)
-                if cutlass.const_expr(self.q_in_shared):
-                    cute.autovec_copy(cute.local_tile(s_q[lane, None, None], (d // 16 // parts, 8), (part, 0)),
-                                      r_q_part_pieces)
-                cute.gemm(tiled_mma, r_s, r_q_part, r_k, r_s)
-            for v in cutlass.range_constexpr(cute.size(r_s)):
-                valid = first + score_key(v, kq) < v_end
-                r_s[v] = Float32(cutlass.select_(valid, r_s[v] * score_scale, -Float32.inf))
-            online_softmax_update(r_s, acc_o, row_max, row_sum)
-            # S's accumulator layout is P V's A layout: the same 8 values in the same order.
-            flat(r_p).store(flat(r_s).load().to(self.mma_dtype))
-            for part in cutlass.range_constexpr(parts):
-                self.v_fragment(sV_warp[stage, None, None, None], r_v, g, kq, part * self.v_pieces // parts)
-                acc_part = cute.make_tensor(acc_o.iterator + part * cute.size(acc_o) // parts,
-                                            cute.make_layout(((2, 2), 1, d // 8 // parts)))
-                cute.gemm(tiled_mma, acc_part, r_p, r_v, acc_part)
+            # The warp's 16-key slices of this iteration: its own (one row tile), or those of its key group.
+            for j in cutlass.range(self.row_tiles, unroll=1):
+                key_slice = key_group * self.row_tiles + j
+                first = v_begin + it * step + key_slice * KEYS_PER_WARP
+                sK_slice = sK[stage, key_slice, None, None, None]
+                sV_slice = sV[stage, key_slice, None, None, None]
+                r_s.fill(0.0)
+                for part in cutlass.range_constexpr(parts):
+                    self.k_fragment(sK_slice, r_k, g, kq, part * self.k_pieces // parts)
+                    if cutlass.const_expr(self.q_in_shared):
+                        cute.autovec_copy(cute.local_tile(s_q[tile, lane, None, None], (d // 16 // parts, 8), (part, 0)),
+                                          r_q_part_pieces)
+                    cute.gemm(tiled_mma, r_s, r_q_part, r_k, r_s)
+                for v in cutlass.range_constexpr(cute.size(r_s)):
+                    valid = first + score_key(v, kq) < v_end
+                    r_s[v] = Float32(cutlass.select_(valid, r_s[v] * score_scale, -Float32.inf))
+                online_softmax_update(r_s, acc_o, row_max, row_sum)
+                # S's accumulator layout is P V's A layout: the same 8 values in the same order.
+                flat(r_p).store(flat(r_s).load().to(self.mma_dtype))
+                for part in cutlass.range_constexpr(parts):
+                    self.v_fragment(sV_slice, r_v, g, kq, part * self.v_pieces // parts)
+                    acc_part = cute.make_tensor(acc_o.iterator + part * cute.size(acc_o) // parts,
+                                                cute.make_layout(((2, 2), 1, d // 8 // parts)))
+                    cute.gemm(tiled_mma, acc_part, r_p, r_v, acc_part)
         # --8<-- [end:main_loop]
 
         # --8<-- [start:merge_warps]
@@ -815,10 +887,10 @@ class TensorCoreDecode:
         for r in cutlass.range_constexpr(2):
             total = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)  # the quad's parts of the row
             if kq == 0:
-                s_max[warp_idx, g + 8 * r] = row_max[r]
-                s_sum[warp_idx, g + 8 * r] = total
+                s_max[key_group, ROWS * tile + g + 8 * r] = row_max[r]
+                s_sum[key_group, ROWS * tile + g + 8 * r] = total
         for v in cutlass.range_constexpr(cute.size(acc_o)):
-            s_acc[warp_idx, g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
+            s_acc[key_group, ROWS * tile + g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
         cute.arch.sync_threads()
         # An fp8 cache holds V / v_scale: the split's O is v_scale * (its O on the cache's values).
         out_scale = Float32(1.0)
@@ -826,7 +898,7 @@ class TensorCoreDecode:
             out_scale = mVScale[cutlass.min(head_kv, mVScale.shape[0] - 1)]
         # One thread per (head, 4 columns): the warps' weights once per head, 16-byte stores.
         head_quads = d // 4  # 4-column pieces of one head's row
-        per_thread = (ROWS * head_quads + NUM_THREADS - 1) // NUM_THREADS
+        per_thread = (self.rows * head_quads + NUM_THREADS - 1) // NUM_THREADS
         o_part = cute.make_rmem_tensor((4,), Float32)
         for k in cutlass.range_constexpr(per_thread):
             h, quad, real = self.combine_item(k, heads_here)
@@ -884,6 +956,7 @@ class DecodeConfig:
     cache_dtype: str = ""      # "" = dtype (a 16-bit cache); "float8_e4m3fn": an FP8 cache with scales
     has_sink: bool = False     # sink logits
     write_lse: bool = False    # also write the LSE
+    row_tiles: int = 1         # 16-head row tiles per CTA: row_tiles(G) for a group of G query heads
 
     def __post_init__(self):
         if not self.cache_dtype:
@@ -897,7 +970,8 @@ class DecodeConfig:
     def name(self) -> str:
         layout = f"paged{self.page_size}" if self.page_size else "contiguous"
         cache = "_fp8" if self.cache_dtype == "float8_e4m3fn" else ""
-        return (f"{self.dtype}{cache}_d{self.head_dim}_{layout}"
+        rows = f"_rows{ROWS * self.row_tiles}" if self.row_tiles > 1 else ""
+        return (f"{self.dtype}{cache}_d{self.head_dim}_{layout}{rows}"
                 f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}")
 
 
@@ -938,13 +1012,14 @@ def kernel_and_args(config: DecodeConfig):
 
 
 def compile_matrix() -> list[DecodeConfig]:
-    """Every query dtype x cache dtype x head dim x cache layout (contiguous and each page size); the
-    compiled-out features (sinks, LSE) rotate so that each value meets every head dim."""
+    """Every query dtype x cache dtype x head dim x cache layout (contiguous and each page size) x row
+    tiles; the compiled-out features (sinks, LSE) rotate so that each value meets every head dim."""
     flags = [(False, False), (True, False), (False, True), (True, True)]
-    layouts = [(dtype, cache, d, page) for dtype in ("float16", "bfloat16") for cache in (dtype, "float8_e4m3fn")
-               for d in HEAD_DIMS for page in (0, *PAGE_SIZES)]
-    return [DecodeConfig(dtype, d, page, cache, *flags[i % len(flags)])
-            for i, (dtype, cache, d, page) in enumerate(layouts)]
+    layouts = [(dtype, cache, d, page, tiles) for dtype in ("float16", "bfloat16")
+               for cache in (dtype, "float8_e4m3fn") for d in HEAD_DIMS for page in (0, *PAGE_SIZES)
+               for tiles in ROW_TILES if tiles <= row_tiles(64, d)]
+    return [DecodeConfig(dtype, d, page, cache, *flags[i % len(flags)], tiles)
+            for i, (dtype, cache, d, page, tiles) in enumerate(layouts)]
 
 
 KERNEL_CONFIGS = compile_matrix()
@@ -958,12 +1033,12 @@ def cross_compile_config(config: DecodeConfig, keep: bool = False):
 
 
 # --8<-- [start:num_splits]
-def shared_bytes(head_dim: int, cache_dtype: str) -> int:
-    """Bytes of the kernel's SharedStorage: the work area and the last-block flag."""
-    return -(-(work_bytes(head_dim, cache_dtype) + q_fragment_bytes(head_dim) + 4) // 128) * 128
+def shared_bytes(head_dim: int, cache_dtype: str, tiles: int = 1) -> int:
+    """Bytes of the kernel's SharedStorage: the work area, Q's fragments (D = 256) and the last-block flag."""
+    return -(-(work_bytes(head_dim, cache_dtype) + q_fragment_bytes(head_dim, tiles) + 4) // 128) * 128
 
 
-def ctas_per_sm(head_dim: int, cache_dtype: str = "float16") -> int:
+def ctas_per_sm(head_dim: int, cache_dtype: str = "float16", tiles: int = 1) -> int:
     """CTAs of this kernel that fit on one SM at once, by registers and by shared memory.
 
     64K registers / (registers per thread x 128 threads), with the register
@@ -973,24 +1048,26 @@ def ctas_per_sm(head_dim: int, cache_dtype: str = "float16") -> int:
     """
     registers = -(-REGISTERS_PER_THREAD[head_dim, cache_bytes(cache_dtype)] // 8) * 8  # allocated per warp in blocks of 256 = 8 per thread
     by_registers = 65536 // (registers * NUM_THREADS)
-    by_shared = SHARED_BYTES_PER_SM // (shared_bytes(head_dim, cache_dtype) + 1024)
+    by_shared = SHARED_BYTES_PER_SM // (shared_bytes(head_dim, cache_dtype, tiles) + 1024)
     return max(1, min(16, by_registers, by_shared))
 
 
 def auto_num_splits(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sms: int, head_dim: int = 128,
-                    cache_dtype: str = "float16") -> int:
+                    cache_dtype: str = "float16", tiles: int = 1) -> int:
     """The split count for num_splits=0: ``course.launch.pick_num_splits`` with this kernel's CTAs per
     SM, at least MIN_KEYS_PER_SPLIT keys per split and, for few sequences, SPLIT_CTAS_PER_SM
     (sequence, KV head) streams per SM.
 
-    The CTAs before splitting are B x H_kv x ceil(G / 16): MQA with few
-    sequences still fills the GPU. The ceil(G / 16) CTAs of one group read the
-    same K and V (the second reads hit L2), so they count as one stream: a
-    group of 64 heads gets 4 CTAs per SM where the kernel fits them.
+    The CTAs before splitting are B x H_kv x head_chunks(G, tiles): MQA with
+    few sequences still fills the GPU. With one row tile, the ceil(G / 16)
+    CTAs of a group read the same K and V (the second reads hit L2), so they
+    count as one stream. With more (``pick_row_tiles``), every CTA slot of the
+    GPU gets a CTA: a CTA's 4 warps then do up to 4 times the math per key.
     """
-    chunks = -(-group_size // ROWS)
-    return launch.pick_num_splits(batch * heads_kv * chunks, max_keys, num_sms, ctas_per_sm(head_dim, cache_dtype),
-                                  split_ctas_per_sm=SPLIT_CTAS_PER_SM * chunks,
+    chunks = head_chunks(group_size, tiles)
+    fits = ctas_per_sm(head_dim, cache_dtype, tiles)
+    return launch.pick_num_splits(batch * heads_kv * chunks, max_keys, num_sms, fits,
+                                  split_ctas_per_sm=SPLIT_CTAS_PER_SM * chunks if tiles == 1 else fits,
                                   min_keys_per_split=MIN_KEYS_PER_SPLIT)
 # --8<-- [end:num_splits]
 
@@ -1027,13 +1104,14 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
                             out=out)
     device = q.device
     cache_dtype = str(k_cache.dtype).removeprefix("torch.")
-    kv_ctas = shape.heads_kv * -(-(shape.heads_q // shape.heads_kv) // ROWS)
+    group_size = shape.heads_q // shape.heads_kv
+    max_keys = shape.capacity if window_size_left < 0 else min(shape.capacity, window_size_left + 1 + num_sink_tokens)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = pick_row_tiles(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype)
+    kv_ctas = shape.heads_kv * head_chunks(group_size, tiles)
     if num_splits == 0:
-        max_keys = shape.capacity if window_size_left < 0 else min(
-            shape.capacity, window_size_left + 1 + num_sink_tokens)
-        num_splits = auto_num_splits(shape.batch, shape.heads_kv, shape.heads_q // shape.heads_kv, max_keys,
-                                     torch.cuda.get_device_properties(device).multi_processor_count,
-                                     shape.head_dim, cache_dtype)
+        num_splits = auto_num_splits(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim,
+                                     cache_dtype, tiles)
     if out is None:
         out = q.new_empty(q.shape)
     lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None
@@ -1044,7 +1122,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     page_size = shape.page_size if block_table is not None else 0
     has_sink = sink_logits is not None
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, page_size, cache_dtype, has_sink,
-                          bool(return_lse))
+                          bool(return_lse), tiles)
     kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
     scale = validation.resolve_scale(softmax_scale, shape.head_dim)
     no_scale = launch.placeholder(device, (1,))

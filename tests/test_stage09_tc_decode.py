@@ -52,6 +52,33 @@ def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
     assert wide * 8 * 4 <= sms * stage.ctas_per_sm(128) < (wide + 1) * 8 * 4
 
 
+def test_row_tiles_keep_a_group_of_up_to_64_heads_in_one_cta(stage):
+    """One CTA can compute 16, 32 or 64 heads (1, 2 or 4 row tiles of the MMA), so that K and V are
+    read once per group of up to 64 heads; a larger group takes ceil(G / 64) CTAs. D = 256: 1 tile."""
+    tiles = {g: stage.row_tiles(g) for g in (1, 8, 16, 17, 24, 32, 33, 40, 64, 65, 128)}
+    assert tiles == {1: 1, 8: 1, 16: 1, 17: 2, 24: 2, 32: 2, 33: 4, 40: 4, 64: 4, 65: 4, 128: 4}
+    assert set(stage.ROW_TILES) == set(tiles.values()) and stage.row_tiles(64, 256) == 1
+    chunks = {(g, t): stage.head_chunks(g, t) for g, t in ((8, 1), (64, 1), (24, 2), (64, 4), (65, 4), (128, 4))}
+    assert chunks == {(8, 1): 1, (64, 1): 4, (24, 2): 1, (64, 4): 1, (65, 4): 2, (128, 4): 2}
+
+
+def test_row_tiles_only_where_they_pay(stage):
+    """A launch uses row tiles when its work fills the GPU with long splits; few or short sequences
+    keep one tile per CTA (more warps on the same keys)."""
+    sms = 132
+    assert stage.pick_row_tiles(64, 1, 64, 32768, sms) == 4
+    assert stage.pick_row_tiles(8, 1, 64, 131072, sms) == 4
+    assert stage.pick_row_tiles(64, 2, 32, 32768, sms) == 2
+    assert stage.pick_row_tiles(1, 1, 64, 131072, sms) == 1   # one sequence: splits too short to fill the GPU
+    assert stage.pick_row_tiles(8, 1, 64, 4096, sms) == 1
+    assert stage.pick_row_tiles(64, 8, 8, 32768, sms) == 1    # groups of up to 16 heads: one tile anyway
+    assert stage.pick_row_tiles(64, 1, 64, 32768, sms, head_dim=256) == 1
+    assert stage.pick_row_tiles(64, 1, 64, 32768, sms, cache_dtype="float8_e4m3fn") == 1  # half the bytes: L2 keeps up
+    # With row tiles the split count fills every CTA slot.
+    splits = stage.auto_num_splits(8, 1, 64, 131072, sms, tiles=4)
+    assert splits * 8 <= sms * stage.ctas_per_sm(128, tiles=4) < (splits + 1) * 8
+
+
 def test_two_levels_of_last_ctas(stage):
     """Up to SPLITS_PER_GROUP splits: one group, whose last CTA writes O. More: a workspace slot per
     group after the splits' slots, and the final combine reads a group's splits plus the groups."""
@@ -100,9 +127,10 @@ CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS
 
 
 def test_compile_matrix_covers_every_option(solution):
-    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.page_size) for c in CONFIGS}
-    assert layouts == {(t, cache, d, p) for t in ("float16", "bfloat16") for cache in (t, "float8_e4m3fn")
-                       for d in solution.HEAD_DIMS for p in (0, *solution.PAGE_SIZES)}
+    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.page_size, c.row_tiles) for c in CONFIGS}
+    assert layouts == {(t, cache, d, p, tiles) for t in ("float16", "bfloat16") for cache in (t, "float8_e4m3fn")
+                       for d in solution.HEAD_DIMS for p in (0, *solution.PAGE_SIZES)
+                       for tiles in solution.ROW_TILES if tiles <= solution.row_tiles(64, d)}
     for d in solution.HEAD_DIMS:
         assert {(c.has_sink, c.write_lse) for c in CONFIGS if c.head_dim == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
 
@@ -122,9 +150,10 @@ def test_cross_compiles_for_sm90a(stage, config):
     bytes_per = stage.cache_bytes(config.cache_dtype)
     budget = stage.SPILL_BYTES.get((config.head_dim, bytes_per), 0)
     assert report.spill_bytes <= budget, f"{report.name} spills {report.spill_bytes} bytes of registers"
-    assert report.shared_bytes == stage.shared_bytes(config.head_dim, config.cache_dtype), (
+    expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles)
+    assert report.shared_bytes == expected_shared, (
         f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
-        f"{stage.shared_bytes(config.head_dim, config.cache_dtype)}, and the automatic split count relies on it")
+        f"{expected_shared}, and the automatic split count relies on it")
     assert report.registers <= stage.REGISTERS_PER_THREAD[config.head_dim, bytes_per], (
         f"{report.name} uses {report.registers} registers per thread; the automatic split count assumes at "
         f"most {stage.REGISTERS_PER_THREAD[config.head_dim, bytes_per]} (REGISTERS_PER_THREAD): update it")
@@ -155,36 +184,57 @@ def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
 
 RAGGED_CASES = [("float16", 64, "contiguous"), ("float16", 128, "paged64"), ("float16", 256, "paged16"),
                 ("bfloat16", 64, "paged256"), ("bfloat16", 128, "contiguous"), ("bfloat16", 256, "paged64")]
+# (H_q, H_kv) with 1, 2 and 4 row tiles per CTA: groups of 8, 24 (the second tile half-full) and 64.
+ROW_TILE_HEADS = [(16, 2), (48, 2), (64, 1)]
+HEADS_IDS = [f"h{a}-kv{b}-tiles{STAGE.load('solutions').row_tiles(a // b)}" for a, b in ROW_TILE_HEADS]
+
+
+@pytest.fixture
+def most_row_tiles(stage, monkeypatch):
+    """Make decode_attention use as many row tiles as the group allows: it picks them from the launch's
+    size (pick_row_tiles), and the tests' small launches would all get one."""
+    monkeypatch.setattr(stage, "pick_row_tiles", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
+                        cache_dtype: stage.row_tiles(group_size, head_dim))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("dtype, head_dim, layout", RAGGED_CASES, ids=[f"{a}-d{b}-{c}" for a, b, c in RAGGED_CASES])
-def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, fp8):
+def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q, heads_kv, fp8, most_row_tiles):
     """Lengths 1 ... 131072 in one batch (page boundaries, a full last page), auto split count, LSE too."""
-    inputs = testing.random_decode_inputs(RAGGED, 16, 2, head_dim, getattr(torch, dtype),
-                                          page_size=LAYOUTS[layout], seed=head_dim)
-    run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, fp8={fp8}, lengths {RAGGED}", fp8=fp8, return_lse=True)
+    inputs = testing.random_decode_inputs(RAGGED, heads_q, heads_kv, head_dim, getattr(torch, dtype),
+                                          page_size=LAYOUTS[layout], seed=head_dim + heads_q)
+    run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, H_q={heads_q}, H_kv={heads_kv}, fp8={fp8}, "
+        f"lengths {RAGGED}", fp8=fp8, return_lse=True)
 
 
-# (H_q, H_kv): MHA, groups 4, 8, 16, MQA 8 and 64; a group of 3; 24 (two CTAs of 16 rows, the second half-full).
-GROUPINGS = [(32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1), (6, 2), (48, 2)]
+# (H_q, H_kv): MHA, groups 4, 8, 16, MQA 8 and 64; a group of 3; 24 (two row tiles, the second half-full);
+# 40 (four row tiles, the third half-full, the fourth spare); 128 (two CTAs of 64 heads). Groups over 16
+# heads run twice: as the launch picks (one tile per CTA at these sizes) and with the most row tiles.
+GROUPINGS = [(32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1), (6, 2), (48, 2), (80, 2), (128, 1)]
+GROUPING_CASES = [(a, b, most) for a, b in GROUPINGS for most in (False, True)
+                  if not most or STAGE.load("solutions").row_tiles(a // b) > 1]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged32"])
-@pytest.mark.parametrize("h_q, h_kv", GROUPINGS, ids=[f"h{a}-kv{b}" for a, b in GROUPINGS])
-def test_groupings(stage, h_q, h_kv, layout, fp8):
+@pytest.mark.parametrize("h_q, h_kv, most_tiles", GROUPING_CASES,
+                         ids=[f"h{a}-kv{b}{'-most-tiles' if m else ''}" for a, b, m in GROUPING_CASES])
+def test_groupings(stage, h_q, h_kv, most_tiles, layout, fp8, request):
+    if most_tiles:
+        request.getfixturevalue("most_row_tiles")
     inputs = testing.random_decode_inputs([1, 31, 32, 33, 1000, 4097], h_q, h_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=h_q * 10 + h_kv)
     run(stage, inputs, f"H_q={h_q}, H_kv={h_kv}, {layout}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=3)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout", ["contiguous", "paged64"])
-def test_every_split_count_gives_the_same_result(stage, layout):
-    inputs = testing.random_decode_inputs([2, 128, 4097, 32768], 16, 2, 128, torch.float16,
+def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_kv, most_row_tiles):
+    inputs = testing.random_decode_inputs([2, 128, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=11)
     results = {}
     for num_splits in (*range(1, 9), 16, 17, 33, 64, 100, 300, 0):  # 17 and up: two levels of last CTAs
@@ -195,10 +245,12 @@ def test_every_split_count_gives_the_same_result(stage, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("num_splits", [7, 37], ids=["one-level", "two-level"])
-def test_back_to_back_launches_reset_the_counters(stage, num_splits):
+def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, heads_kv, most_row_tiles):
     """200 launches in a row: a counter left non-zero would stop the next launch from combining."""
-    inputs = testing.random_decode_inputs([4097, 300, 1], 16, 2, 128, torch.float16, page_size=64, seed=3)
+    inputs = testing.random_decode_inputs([4097, 300, 1], heads_q, heads_kv, 128, torch.float16, page_size=64,
+                                          seed=3)
     outs = [stage.decode_attention(**inputs, num_splits=num_splits, out=testing.poisoned_like(inputs["q"]))
             for _ in range(200)]
     testing.assert_decode_matches(outs[0], inputs, "launch 1 of 200")
@@ -207,10 +259,12 @@ def test_back_to_back_launches_reset_the_counters(stage, num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-def test_cuda_graph_replay(stage, fp8):
+def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, most_row_tiles):
     """200 replays of one captured launch, each on a new q: the same bits as an eager launch."""
-    inputs = testing.random_decode_inputs([4097, 32768, 5], 16, 2, 128, torch.float16, page_size=64, seed=4)
+    inputs = testing.random_decode_inputs([4097, 32768, 5], heads_q, heads_kv, 128, torch.float16, page_size=64,
+                                          seed=4)
     inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
     out = testing.poisoned_like(inputs["q"])
     side = torch.cuda.Stream()
@@ -246,13 +300,14 @@ FEATURE_CASES = {  # name: (layout, features)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout, features", FEATURE_CASES.values(), ids=FEATURE_CASES.keys())
-def test_windows_sinks_and_lse(stage, layout, features, fp8):
-    inputs = testing.random_decode_inputs([0, 1, 127, 4097, 32768], 16, 2, 128, torch.float16,
+def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, most_row_tiles):
+    inputs = testing.random_decode_inputs([0, 1, 127, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=21)
     features = dict(features)
     if features.pop("sink_logits", False):
-        features["sink_logits"] = torch.randn(16, device="cuda") * 3
+        features["sink_logits"] = torch.randn(heads_q, device="cuda") * 3
     run(stage, inputs, f"{layout}, {features}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=4, **features)
 
 
