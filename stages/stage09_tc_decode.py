@@ -81,6 +81,7 @@ KEYS_PER_ITERATION = NUM_WARPS * KEYS_PER_WARP
 # Iterations of K/V in flight: each warp copies the next STAGES - 1 iterations' rows into its tiles
 # of a shared-memory ring with cp.async while it computes.
 STAGES = 3
+COPIES_UNROLLED = 8  # issue_loads' copies unrolled at once, contiguous cache (D = 256 has 16)
 SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -98,11 +99,7 @@ SPLIT_CTAS_PER_SM = 1
 # SPLITS_PER_GROUP + num_splits / SPLITS_PER_GROUP partials instead of num_splits.
 SPLITS_PER_GROUP = 16
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 254, (256, 2): 255, (64, 1): 168, (128, 1): 208, (256, 1): 255}
-# Register spill ptxas may leave, by (head dim, cache bytes): at D = 256 with a 16-bit cache the O
-# accumulator alone is 128 registers and ptxas, at its 255 cap, keeps up to 24 bytes (a few loop
-# invariants) in local memory in some configurations, although Q K^T and P V run in halves of D.
-SPILL_BYTES = {(256, 2): 24}
+REGISTERS_PER_THREAD = {(64, 2): 168, (128, 2): 240, (256, 2): 252, (64, 1): 168, (128, 1): 216, (256, 1): 254}
 
 
 def cache_bytes(cache_dtype: str) -> int:
@@ -504,18 +501,20 @@ class TensorCoreDecode:
         return Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
 
     @cute.jit
-    def lookup_pages(self, r_page: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, first: Int32,
-                     v_end: Int32, n_sink: Int32, lo: Int32, lane: Int32):
-        """Paged cache: ``r_page[i]``, the pool page of the row this lane copies in copy ``i``.
+    def lookup_page(self, mBlockTable: cute.Tensor, batch: Int32, first: Int32, v_end: Int32, n_sink: Int32,
+                    lo: Int32, lane: Int32) -> Int32:
+        """Paged cache: the pool page of row lane % 16 of the warp's 16 keys from visible key ``first``
+        (one block-table load per lane; ``issue_loads`` shuffles each row's page to the lanes that copy it).
 
         The main loop calls it one iteration before the copies that need the
         pages, so the block-table load is in flight during a whole iteration.
-        ``first``: the warp's first key of that iteration. Contiguous: nothing.
+        Contiguous: nothing (0).
         """
+        page = Int32(0)
         if cutlass.const_expr(self.page_size != 0):
-            for i in cutlass.range_constexpr(self.copies):
-                row = self.cache_row(first + i * self.rows_per_copy + lane // self.chunks, v_end, n_sink, lo)
-                r_page[i] = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
+            row = self.cache_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo)
+            page = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
+        return page
 
     @cute.jit
     def kv_row(self, mKV: cute.Tensor, page_or_batch: Int32, row: Int32, head_kv: Int32) -> cute.Tensor:
@@ -529,7 +528,7 @@ class TensorCoreDecode:
     # --8<-- [start:issue_loads]
     @cute.jit
     def issue_loads(self, sK: cute.Tensor, sV: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
-                    r_page: cute.Tensor, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
+                    page: Int32, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
                     n_sink: Int32, lo: Int32, lane: Int32):
         """Start the cp.async copies of the warp's 16 keys from visible key ``first`` into its tiles
         ``sK``, ``sV`` [16 rows, chunks, 16 bytes] of one ring stage.
@@ -543,10 +542,13 @@ class TensorCoreDecode:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
                                    num_bits_per_copy=128)
         chunk = lane % self.chunks
-        for i in cutlass.range_constexpr(self.copies):
+        # A runtime loop of at most 8 unrolled copies: D = 256's 16 unrolled row addresses took
+        # ptxas past its 255 registers (a 24-byte spill in the main loop).
+        for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
             tile_row = i * self.rows_per_copy + lane // self.chunks
             row = self.cache_row(first + tile_row, v_end, n_sink, lo)
-            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else r_page[i]
+            # Paged: row r's page is in lane r (lookup_page).
+            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else cute.arch.shuffle_sync(page, tile_row)
             at = swizzle(tile_row, self.chunks) ^ chunk
             cute.copy(atom, cute.local_tile(self.kv_row(mK, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
                       sK[tile_row, at, None])
@@ -823,18 +825,18 @@ class TensorCoreDecode:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         acc_o.fill(0.0)
-        # Paged cache: row st < STAGES - 1 holds the pages of prologue iteration st's copies, the last
-        # row those of the next copies the loop issues.
-        r_pages = cute.make_rmem_tensor(cute.make_ordered_layout((STAGES, self.copies), order=(1, 0)), Int32)
-        issue_loads, lookup_pages = self.issue_loads, self.lookup_pages
+        # Paged cache: entry st < STAGES - 1 holds this lane's page of prologue iteration st's copies,
+        # the last one that of the next copies the loop issues.
+        r_pages = cute.make_rmem_tensor((STAGES,), Int32)
+        issue_loads, lookup_page = self.issue_loads, self.lookup_page
         warp_first = v_begin + warp_idx * KEYS_PER_WARP  # the warp's first key of iteration 0
         sK_warp, sV_warp = sK[None, warp_idx, None, None, None], sV[None, warp_idx, None, None, None]
         for st in cutlass.range_constexpr(STAGES):
             if st < num_iters:
-                lookup_pages(r_pages[st, None], mBlockTable, batch, warp_first + st * step, v_end, n_sink, lo, lane)
+                r_pages[st] = lookup_page(mBlockTable, batch, warp_first + st * step, v_end, n_sink, lo, lane)
         for st in cutlass.range_constexpr(STAGES - 1):
             if st < num_iters:
-                issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st, None],
+                issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st],
                             batch, head_kv, warp_first + st * step, v_end, n_sink, lo, lane)
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         for it in cutlass.range(num_iters, unroll=1):
@@ -843,11 +845,11 @@ class TensorCoreDecode:
             self.ring_barrier()
             if ahead < num_iters:
                 issue_loads(sK_warp[ahead % STAGES, None, None, None], sV_warp[ahead % STAGES, None, None, None],
-                            mK, mV, r_pages[STAGES - 1, None], batch, head_kv, warp_first + ahead * step, v_end,
+                            mK, mV, r_pages[STAGES - 1], batch, head_kv, warp_first + ahead * step, v_end,
                             n_sink, lo, lane)
             if ahead + 1 < num_iters:  # the next iteration's pages: the load has a whole iteration to land
-                lookup_pages(r_pages[STAGES - 1, None], mBlockTable, batch, warp_first + (ahead + 1) * step,
-                             v_end, n_sink, lo, lane)
+                r_pages[STAGES - 1] = lookup_page(mBlockTable, batch, warp_first + (ahead + 1) * step, v_end,
+                                                  n_sink, lo, lane)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(STAGES - 1)  # this lane's copies of iteration it have landed...
             self.ring_barrier()  # ...and every lane's: the fragments read rows other lanes copied

@@ -148,8 +148,7 @@ def test_cross_compiles_for_sm90a(stage, config):
     if config.cache_dtype == "float8_e4m3fn":
         assert "cvt.rn.f16x2.e4m3x2" in ptx, "an FP8 cache is converted to fp16 in registers, two values at a time"
     bytes_per = stage.cache_bytes(config.cache_dtype)
-    budget = stage.SPILL_BYTES.get((config.head_dim, bytes_per), 0)
-    assert report.spill_bytes <= budget, f"{report.name} spills {report.spill_bytes} bytes of registers"
+    assert report.spill_bytes == 0, f"{report.name} spills {report.spill_bytes} bytes of registers to local memory"
     expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles)
     assert report.shared_bytes == expected_shared, (
         f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
