@@ -81,7 +81,7 @@ KEYS_PER_ITERATION = NUM_WARPS * KEYS_PER_WARP
 # Iterations of K/V in flight: each warp copies the next STAGES - 1 iterations' rows into its tiles
 # of a shared-memory ring with cp.async while it computes.
 STAGES = 3
-COPIES_UNROLLED = 8  # issue_loads' copies unrolled at once, contiguous cache (D = 256 has 16)
+COPIES_UNROLLED = 8  # issue_loads' copies unrolled at once (a lane has 16 at D = 256: a runtime loop of 2)
 SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
