@@ -129,6 +129,11 @@ def launch_stage(number: int) -> None:
                     inputs = testing.random_decode_inputs([300, 70], heads_q, heads_kv, 128, torch.float16,
                                                           page_size=16, seed=heads_q)
                     module.decode_attention(**inputs, num_splits=3, return_lse=True)
+            # 8-warp CTAs, which launches of at most one CTA per SM pick (pick_warps): forced on a ragged batch.
+            with mock.patch.object(module, "pick_warps", lambda *args: 8):
+                inputs = testing.random_decode_inputs([300, 1000, 1], 32, 2, 128, torch.float16, page_size=32, seed=5)
+                module.decode_attention(**inputs, num_splits=3, return_lse=True, window_size_left=500,
+                                        num_sink_tokens=2)
     else:
         features = [{}]
         if number >= 4:

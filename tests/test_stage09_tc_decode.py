@@ -25,8 +25,10 @@ def solution():
 
 # ---------------------------------------------------------------- the split arithmetic (CPU)
 
-def test_split_ranges_cover_the_visible_keys_once(stage):
-    check_split_ranges(stage.split_range, stage.KEYS_PER_ITERATION, split_counts=(1, 2, 7, 33, 64))
+@pytest.mark.parametrize("warps", [4, 8])
+def test_split_ranges_cover_the_visible_keys_once(stage, warps):
+    check_split_ranges(lambda n, splits, s: stage.split_range(n, splits, s, warps), stage.keys_per_iteration(warps),
+                       split_counts=(1, 2, 7, 33, 64))
 
 
 @pytest.mark.parametrize("seqlen, window, sinks", VISIBLE_KEY_CASES)
@@ -50,6 +52,21 @@ def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
     # up to the CTAs that fit on an SM.
     wide = stage.auto_num_splits(8, 1, 64, 32768, sms)
     assert wide * 8 * 4 <= sms * stage.ctas_per_sm(128) < (wide + 1) * 8 * 4
+
+
+def test_eight_warps_where_a_launch_has_one_cta_per_sm(stage):
+    """8-warp CTAs for launches of at most one CTA per SM (few or short sequences), 4 otherwise; D = 256
+    and row tiles keep 4."""
+    sms = 132
+    for batch, heads_kv, group, keys in ((1, 1, 8, 32768), (1, 1, 64, 32768), (1, 2, 16, 4096), (8, 1, 64, 32768)):
+        assert stage.pick_warps(batch, heads_kv, group, keys, sms) == 8
+        splits = stage.auto_num_splits(batch, heads_kv, group, keys, sms, warps=8)
+        assert batch * heads_kv * stage.head_chunks(group, 1) * splits <= sms
+    assert stage.pick_warps(64, 1, 64, 4096, sms) == 4     # 256 CTAs: two 4-warp CTAs per SM do better
+    assert stage.pick_warps(64, 8, 4, 32768, sms) == 4
+    assert stage.pick_warps(1, 1, 8, 32768, sms, head_dim=256) == 4
+    assert stage.pick_warps(8, 1, 64, 131072, sms, tiles=4) == 4
+    assert stage.ctas_per_sm(128, warps=8) == 1 and stage.keys_per_iteration(8) == 2 * stage.keys_per_iteration(4)
 
 
 def test_row_tiles_keep_a_group_of_up_to_64_heads_in_one_cta(stage):
@@ -127,10 +144,11 @@ CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS
 
 
 def test_compile_matrix_covers_every_option(solution):
-    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.page_size, c.row_tiles) for c in CONFIGS}
-    assert layouts == {(t, cache, d, p, tiles) for t in ("float16", "bfloat16") for cache in (t, "float8_e4m3fn")
-                       for d in solution.HEAD_DIMS for p in (0, *solution.PAGE_SIZES)
-                       for tiles in solution.ROW_TILES if tiles <= solution.row_tiles(64, d)}
+    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.page_size, c.row_tiles, c.warps) for c in CONFIGS}
+    assert layouts == {(t, cache, d, p, tiles, warps) for t in ("float16", "bfloat16")
+                       for cache in (t, "float8_e4m3fn") for d in solution.HEAD_DIMS for p in (0, *solution.PAGE_SIZES)
+                       for tiles in solution.ROW_TILES if tiles <= solution.row_tiles(64, d)
+                       for warps in solution.WARPS if warps == 4 or (tiles == 1 and d <= 128)}
     for d in solution.HEAD_DIMS:
         assert {(c.has_sink, c.write_lse) for c in CONFIGS if c.head_dim == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
 
@@ -149,7 +167,7 @@ def test_cross_compiles_for_sm90a(stage, config):
         assert "cvt.rn.f16x2.e4m3x2" in ptx, "an FP8 cache is converted to fp16 in registers, two values at a time"
     bytes_per = stage.cache_bytes(config.cache_dtype)
     assert report.spill_bytes == 0, f"{report.name} spills {report.spill_bytes} bytes of registers to local memory"
-    expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles)
+    expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles, config.warps)
     assert report.shared_bytes == expected_shared, (
         f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
         f"{expected_shared}, and the automatic split count relies on it")
@@ -183,56 +201,68 @@ def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
 
 RAGGED_CASES = [("float16", 64, "contiguous"), ("float16", 128, "paged64"), ("float16", 256, "paged16"),
                 ("bfloat16", 64, "paged256"), ("bfloat16", 128, "contiguous"), ("bfloat16", 256, "paged64")]
-# (H_q, H_kv) with 1, 2 and 4 row tiles per CTA: groups of 8, 24 (the second tile half-full) and 64.
-ROW_TILE_HEADS = [(16, 2), (48, 2), (64, 1)]
-HEADS_IDS = [f"h{a}-kv{b}-tiles{STAGE.load('solutions').row_tiles(a // b)}" for a, b in ROW_TILE_HEADS]
+# (H_q, H_kv, warps): 1, 2 and 4 row tiles per CTA on 4 warps, groups of 8, 24 (the second tile half-full)
+# and 64; one tile on 8 warps, groups of 8 and 64 (4 CTAs of 16 heads).
+ROW_TILE_HEADS = [(16, 2, 4), (48, 2, 4), (64, 1, 4), (16, 2, 8), (64, 1, 8)]
+HEADS_IDS = [f"h{a}-kv{b}-" + (f"tiles{STAGE.load('solutions').row_tiles(a // b)}" if w == 4 else f"warps{w}")
+             for a, b, w in ROW_TILE_HEADS]
 
 
 @pytest.fixture
-def most_row_tiles(stage, monkeypatch):
-    """Make decode_attention use as many row tiles as the group allows: it picks them from the launch's
-    size (pick_row_tiles), and the tests' small launches would all get one."""
-    monkeypatch.setattr(stage, "pick_row_tiles", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
-                        cache_dtype: stage.row_tiles(group_size, head_dim))
+def force_variant(stage, monkeypatch):
+    """force_variant(warps): make decode_attention use, with 4 warps, as many row tiles as the group allows,
+    with 8 warps (D <= 128) one tile. It picks both from the launch's size (pick_row_tiles, pick_warps),
+    and the tests' small launches would mostly get one tile on 4 warps."""
+    def force(warps):
+        eight = warps == 8
+        monkeypatch.setattr(stage, "pick_row_tiles", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
+                            cache_dtype: 1 if eight else stage.row_tiles(group_size, head_dim))
+        monkeypatch.setattr(stage, "pick_warps", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
+                            cache_dtype, tiles: 8 if eight and head_dim <= 128 else 4)
+    return force
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("dtype, head_dim, layout", RAGGED_CASES, ids=[f"{a}-d{b}-{c}" for a, b, c in RAGGED_CASES])
-def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q, heads_kv, fp8, most_row_tiles):
+def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q, heads_kv, warps, fp8, force_variant):
     """Lengths 1 ... 131072 in one batch (page boundaries, a full last page), auto split count, LSE too."""
+    force_variant(warps)
     inputs = testing.random_decode_inputs(RAGGED, heads_q, heads_kv, head_dim, getattr(torch, dtype),
                                           page_size=LAYOUTS[layout], seed=head_dim + heads_q)
-    run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, H_q={heads_q}, H_kv={heads_kv}, fp8={fp8}, "
+    run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, H_q={heads_q}, H_kv={heads_kv}, {warps} warps, fp8={fp8}, "
         f"lengths {RAGGED}", fp8=fp8, return_lse=True)
 
 
 # (H_q, H_kv): MHA, groups 4, 8, 16, MQA 8 and 64; a group of 3; 24 (two row tiles, the second half-full);
 # 40 (four row tiles, the third half-full, the fourth spare); 128 (two CTAs of 64 heads). Groups over 16
-# heads run twice: as the launch picks (one tile per CTA at these sizes) and with the most row tiles.
+# heads run as the launch picks (one tile per CTA on 4 warps at these sizes) and with the most row tiles;
+# every grouping also on 8 warps.
 GROUPINGS = [(32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1), (6, 2), (48, 2), (80, 2), (128, 1)]
-GROUPING_CASES = [(a, b, most) for a, b in GROUPINGS for most in (False, True)
-                  if not most or STAGE.load("solutions").row_tiles(a // b) > 1]
+GROUPING_CASES = [(a, b, forced) for a, b in GROUPINGS for forced in (None, 4, 8)
+                  if forced != 4 or STAGE.load("solutions").row_tiles(a // b) > 1]
+VARIANT_IDS = {None: "", 4: "-most-tiles", 8: "-warps8"}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged32"])
-@pytest.mark.parametrize("h_q, h_kv, most_tiles", GROUPING_CASES,
-                         ids=[f"h{a}-kv{b}{'-most-tiles' if m else ''}" for a, b, m in GROUPING_CASES])
-def test_groupings(stage, h_q, h_kv, most_tiles, layout, fp8, request):
-    if most_tiles:
-        request.getfixturevalue("most_row_tiles")
+@pytest.mark.parametrize("h_q, h_kv, forced", GROUPING_CASES,
+                         ids=[f"h{a}-kv{b}{VARIANT_IDS[f]}" for a, b, f in GROUPING_CASES])
+def test_groupings(stage, h_q, h_kv, forced, layout, fp8, force_variant):
+    if forced:
+        force_variant(forced)
     inputs = testing.random_decode_inputs([1, 31, 32, 33, 1000, 4097], h_q, h_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=h_q * 10 + h_kv)
     run(stage, inputs, f"H_q={h_q}, H_kv={h_kv}, {layout}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=3)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout", ["contiguous", "paged64"])
-def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_kv, most_row_tiles):
+def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_kv, warps, force_variant):
+    force_variant(warps)
     inputs = testing.random_decode_inputs([2, 128, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=11)
     results = {}
@@ -244,10 +274,11 @@ def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_k
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("num_splits", [7, 37], ids=["one-level", "two-level"])
-def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, heads_kv, most_row_tiles):
+def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, heads_kv, warps, force_variant):
     """200 launches in a row: a counter left non-zero would stop the next launch from combining."""
+    force_variant(warps)
     inputs = testing.random_decode_inputs([4097, 300, 1], heads_q, heads_kv, 128, torch.float16, page_size=64,
                                           seed=3)
     outs = [stage.decode_attention(**inputs, num_splits=num_splits, out=testing.poisoned_like(inputs["q"]))
@@ -258,10 +289,11 @@ def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, he
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, most_row_tiles):
+def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, warps, force_variant):
     """200 replays of one captured launch, each on a new q: the same bits as an eager launch."""
+    force_variant(warps)
     inputs = testing.random_decode_inputs([4097, 32768, 5], heads_q, heads_kv, 128, torch.float16, page_size=64,
                                           seed=4)
     inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
@@ -299,9 +331,10 @@ FEATURE_CASES = {  # name: (layout, features)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-@pytest.mark.parametrize("heads_q, heads_kv", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout, features", FEATURE_CASES.values(), ids=FEATURE_CASES.keys())
-def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, most_row_tiles):
+def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, warps, force_variant):
+    force_variant(warps)
     inputs = testing.random_decode_inputs([0, 1, 127, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=21)
     features = dict(features)
