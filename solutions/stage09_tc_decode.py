@@ -20,9 +20,10 @@ for the next launch. What changes:
    launch has at most one CTA per SM) takes its own 16 keys per iteration:
    S = Q K^T is 2 MMAs per 16 columns of D (K's 8 keys are N), P V is one
    MMA per 8 columns of D (the 16 keys are K), and P never leaves the
-   registers: the MMA's accumulator layout for S is its operand layout for P. A larger group takes ceil(G / 16) such CTAs, or, when the
-   launch fills the GPU, one CTA of 2 or 4 row tiles (a warp per 16 heads,
-   each reading all the iteration's keys), so that K and V are read once.
+   registers: the MMA's accumulator layout for S is its operand layout for P.
+   A larger group takes ceil(G / 16) such CTAs, or, when the launch fills
+   the GPU, one CTA of 2 or 4 row tiles (a warp per 16 heads, each reading
+   all the iteration's keys), so that K and V are read once.
 2. Whole-row copies, fragment-order reads: each warp copies its 16 keys' K
    and V rows whole (lane l copies 16-byte chunk l % chunks of a row, so
    every copy instruction reads whole rows, like stage 7's) into its own
@@ -177,8 +178,8 @@ def q_fragment_bytes(head_dim: int, tiles: int = 1) -> int:
 def combine_loads(head_dim: int, warps: int = 4) -> tuple[int, int]:
     """(items, slots): a combining thread folds that many of its (head, 4 columns) items at once,
     each over that many slots per round: all its items with 16 16-byte loads in flight at D <= 128
-    (4 items at D = 128 with 4 warps, 2 at D = 64); at D = 256 one item at a time over 8 slots, as more would
-    spill: the MMA fragments hold most of the registers."""
+    (4 items at D = 128 with 4 warps, 2 at D = 64); at D = 256 one item at a time over 8 slots, as
+    more would spill: the MMA fragments hold most of the registers."""
     if head_dim > 128:
         return 1, 8
     items = ROWS * head_dim // 4 // (32 * warps)
@@ -442,6 +443,7 @@ class TensorCoreDecode:
     def __init__(self, config: "DecodeConfig"):
         self.q_dtype = config.cute_dtype
         self.cache_dtype = cute_dtype(_torch_dtype(config.cache_dtype))
+        self.cache_name = config.cache_dtype  # what the host-side sizes (work_bytes, ctas_per_sm) take
         self.fp8 = config.cache_dtype == "float8_e4m3fn"
         # The MMA's operand type: the query's, or fp16 for an fp8 cache (e4m3 -> f16 is exact).
         self.mma_dtype = Float16 if self.fp8 else self.q_dtype
@@ -493,7 +495,7 @@ class TensorCoreDecode:
         num_splits: Int32,
         stream,
     ):
-        work_words = work_bytes(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16", self.num_warps) // 4
+        work_words = work_bytes(self.head_dim, self.cache_name, self.num_warps) // 4
         q_words = q_fragment_bytes(self.head_dim, self.row_tiles) // 4
 
         @cute.struct
@@ -514,8 +516,7 @@ class TensorCoreDecode:
             mQ, mK, mV, mSeqlens, mBlockTable, mSink, mKScale, mVScale, mO, mLSE, mPartO, mPartLSE, mCounters,
             scale_log2, window_left, num_sink_tokens,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=ctas_per_sm(self.head_dim, "float8_e4m3fn" if self.fp8 else "float16",
-                                               self.row_tiles, self.num_warps),
+                 min_blocks_per_mp=ctas_per_sm(self.head_dim, self.cache_name, self.row_tiles, self.num_warps),
                  preferred_smem_carveout=100)
 
     # --8<-- [start:key_row]
@@ -1110,8 +1111,8 @@ def pick_warps(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sm
     """8 warps per CTA when a launch of 8-warp CTAs (with its own split count) has at most one CTA per
     SM, else 4: few or short sequences, where a CTA's 4 warps, one per scheduler, each wait on
     their own latencies and nothing else runs on the SM. Measured on the H100 ("Eight warps" on the
-    page): B = 1, L = 32k, 64/1 from 22.0 to 18.8 us, 8/1 from 12.7 to 11.7 us; with two 4-warp
-    CTAs per SM the 8-warp CTA gains nothing. D = 256 (8 warps' ring does not fit in shared
+    page): B = 1, L = 32k, 64/1 from 22.0 to 18.8 us, 8/1 from 12.7 to 11.7 us; where 4-warp CTAs
+    fill two per SM it loses (B = 64, L = 4k, 64/1: 65.5 -> 72.6 us). D = 256 (8 warps' ring does not fit in shared
     memory) and row tiles (4 warps already share a CTA's keys) keep 4."""
     if head_dim > 128 or tiles > 1:
         return 4
