@@ -363,3 +363,22 @@ def test_large_logits_do_not_overflow(stage, fp8):
     inputs = testing.random_decode_inputs([3000, 64], 16, 2, 128, torch.bfloat16, seed=9)
     inputs["q"].mul_(30)
     run(stage, inputs, "logits around 300", fp8=fp8, return_lse=True, num_splits=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
+@pytest.mark.parametrize("climb", [0.03, 1.0], ids=["below-threshold", "above-threshold"])
+@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
+def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, warps, force_variant):
+    """Scores that rise along the sequence by ``climb`` (natural log units) per key move the running
+    max again and again: by less than RESCALE_THRESHOLD per iteration, where a warp keeps its max and
+    the numerators grow, and by more, where it rescales O every iteration. One split: long runs."""
+    force_variant(warps)
+    lengths = [1500, 333]
+    inputs = testing.random_decode_inputs(lengths, heads_q, heads_kv, 128, torch.float16, seed=11)
+    q = inputs["q"].abs_()  # every head's q . (1, ..., 1) > 0: a key's score grows with t (1, ..., 1)
+    per_unit = q.float().sum(-1).mean().item() / 128 ** 0.5  # score change for t = 1
+    for b, n in enumerate(lengths):
+        t = climb / per_unit * torch.arange(n, device=q.device, dtype=torch.float32)
+        inputs["k_cache"][b, :n] += t[:, None, None].to(inputs["k_cache"].dtype)
+    run(stage, inputs, f"scores climbing {climb} per key", fp8=fp8, return_lse=True, num_splits=1)
