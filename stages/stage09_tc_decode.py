@@ -22,15 +22,17 @@ for the next launch. What changes:
    MMA per 8 columns of D (the 16 keys are K), and P never leaves the
    registers: the MMA's accumulator layout for S is its operand layout for P.
    A larger group takes ceil(G / 16) such CTAs, or, when the launch fills
-   the GPU, one CTA of 2 or 4 row tiles (a warp per 16 heads, each reading
-   all the iteration's keys), so that K and V are read once.
+   the GPU, one CTA of 2 or 4 row tiles (a warp, or with 8 warps two, per 16
+   heads, each reading all of its key group's keys), so that K and V are
+   read once.
 2. Whole-row copies, fragment-order reads: each warp copies its 16 keys' K
    and V rows whole (lane l copies 16-byte chunk l % chunks of a row, so
    every copy instruction reads whole rows, like stage 7's) into its own
    tiles [16 rows, chunks, 16 bytes] of the ring, with an XOR swizzle of the
    chunk index so that each fragment read (8 lanes, one 128-byte wavefront)
-   hits 8 different bank groups; ``sync_warp`` before the reads (rows other
-   lanes copied) and before a stage is refilled. Then, since a dot product may
+   hits 8 different bank groups; one ``sync_warp`` per iteration, after the
+   wait, before the reads (rows other lanes copied) and the refill of the
+   stage the last iteration read. Then, since a dot product may
    visit D in any order and P V the keys in any order, each thread reads
    exactly the K and V elements its MMA fragments hold into compact
    fragments; Q is loaded once in the same order. (Copying only each lane's
@@ -45,7 +47,8 @@ for the next launch. What changes:
 4. The split count comes from B x H_kv x ceil(G / 16) CTAs, not from H_q, and
    aims at one (sequence, KV head) stream per SM, so one MQA sequence gets
    about 128 splits. Such a launch, one CTA per SM, takes CTAs of 8 warps:
-   a lone warp per scheduler spends most of its time waiting.
+   a lone warp per scheduler spends most of its time waiting. So does a
+   launch with row tiles, whose split count then fills one CTA per SM.
 5. Two levels of last CTAs: the splits form groups of SPLITS_PER_GROUP; the
    last CTA of each group folds the group's partials into one, and the last
    of those folds the groups into O. With one combining CTA, the partials of
@@ -106,7 +109,7 @@ SPLITS_PER_GROUP = 16
 # iterations skip rescaling O (online_softmax_update); a numerator exp2(s - max) stays below 2^8.
 RESCALE_THRESHOLD = 8.0
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 161, (128, 2): 238, (256, 2): 252, (64, 1): 168, (128, 1): 226, (256, 1): 238}
+REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 238, (256, 2): 252, (64, 1): 168, (128, 1): 226, (256, 1): 238}
 
 
 def cache_bytes(cache_dtype: str) -> int:
@@ -579,13 +582,16 @@ class TensorCoreDecode:
 
     # --8<-- [start:ring_barrier]
     @cute.jit
-    def ring_barrier(self):
+    def ring_barrier(self, key_group: Int32):
         """Before a ring stage is read, and before it is refilled: with one row tile a warp reads only the
-        rows it copied (the warp waits for its lanes); with more, every warp reads every warp's rows."""
+        rows it copied (the warp waits for its lanes); with more, each warp of a key group reads the rows
+        all of the group's warps copied (the group waits for its warps, on its own named barrier)."""
         if cutlass.const_expr(self.row_tiles == 1):
             cute.arch.sync_warp()
-        else:
+        elif cutlass.const_expr(self.key_groups == 1):
             cute.arch.sync_threads()
+        else:  # barrier 0 is sync_threads'
+            cute.arch.barrier(barrier_id=1 + key_group, number_of_threads=32 * self.row_tiles)
     # --8<-- [end:ring_barrier]
 
     # --8<-- [start:to_registers]
@@ -850,8 +856,11 @@ class TensorCoreDecode:
         # the last one that of the next copies the loop issues.
         r_pages = cute.make_rmem_tensor((STAGES,), Int32)
         issue_loads, lookup_page = self.issue_loads, self.lookup_page
-        warp_first = v_begin + warp_idx * KEYS_PER_WARP  # the warp's first key of iteration 0
-        sK_warp, sV_warp = sK[None, warp_idx, None, None, None], sV[None, warp_idx, None, None, None]
+        # The warp copies one of the slices its key group reads, so that a key group's warps wait only
+        # for each other (ring_barrier).
+        copy_slice = key_group * self.row_tiles + tile
+        warp_first = v_begin + copy_slice * KEYS_PER_WARP  # the warp's first key of iteration 0
+        sK_warp, sV_warp = sK[None, copy_slice, None, None, None], sV[None, copy_slice, None, None, None]
         for st in cutlass.range_constexpr(STAGES):
             if st < num_iters:
                 r_pages[st] = lookup_page(mBlockTable, batch, warp_first + st * step, v_end, n_sink, lo, lane)
@@ -862,8 +871,10 @@ class TensorCoreDecode:
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
-            # Every lane has read iteration it - 1's tiles before any lane refills them.
-            self.ring_barrier()
+            cute.arch.cp_async_wait_group(STAGES - 2)  # this lane's copies of iteration it have landed...
+            # ...and every lane's (the fragments read rows other lanes copied); and every lane has read
+            # iteration it - 1's stage, the one refilled next: one barrier per iteration.
+            self.ring_barrier(key_group)
             if ahead < num_iters:
                 issue_loads(sK_warp[ahead % STAGES, None, None, None], sV_warp[ahead % STAGES, None, None, None],
                             mK, mV, r_pages[STAGES - 1], batch, head_kv, warp_first + ahead * step, v_end,
@@ -872,8 +883,6 @@ class TensorCoreDecode:
                 r_pages[STAGES - 1] = lookup_page(mBlockTable, batch, warp_first + (ahead + 1) * step, v_end,
                                                   n_sink, lo, lane)
             cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(STAGES - 1)  # this lane's copies of iteration it have landed...
-            self.ring_barrier()  # ...and every lane's: the fragments read rows other lanes copied
             stage = it % STAGES
             # The warp's 16-key slices of this iteration: its own (one row tile), or those of its key group.
             for j in cutlass.range(self.row_tiles, unroll=1):
@@ -1038,13 +1047,13 @@ def kernel_and_args(config: DecodeConfig):
 
 def compile_matrix() -> list[DecodeConfig]:
     """Every query dtype x cache dtype x head dim x cache layout (contiguous and each page size) x row
-    tiles x warps (8 with one tile at D <= 128: pick_warps); the compiled-out features (sinks, LSE)
-    rotate so that each value meets every head dim."""
+    tiles x warps (8 at D <= 128: pick_warps); the compiled-out features (sinks, LSE) rotate so that
+    each value meets every head dim."""
     flags = [(False, False), (True, False), (False, True), (True, True)]
     layouts = [(dtype, cache, d, page, tiles, warps) for dtype in ("float16", "bfloat16")
                for cache in (dtype, "float8_e4m3fn") for d in HEAD_DIMS for page in (0, *PAGE_SIZES)
                for tiles in ROW_TILES if tiles <= row_tiles(64, d)
-               for warps in WARPS if warps == 4 or (tiles == 1 and d <= 128)]
+               for warps in WARPS if warps == 4 or d <= 128]
     return [DecodeConfig(dtype, d, page, cache, *flags[i % len(flags)], tiles, warps)
             for i, (dtype, cache, d, page, tiles, warps) in enumerate(layouts)]
 
@@ -1104,9 +1113,10 @@ def pick_warps(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sm
     SM, else 4: few or short sequences, where a CTA's 4 warps, one per scheduler, each wait on
     their own latencies and nothing else runs on the SM. Measured on the H100 ("Eight warps" on the
     page): B = 1, L = 32k, 64/1 from 22.0 to 18.8 us, 8/1 from 12.7 to 11.7 us; where 4-warp CTAs
-    fill two per SM it loses (B = 64, L = 4k, 64/1: 65.5 -> 72.6 us). D = 256 (8 warps' ring does
-    not fit in shared memory) and row tiles (4 warps already share a CTA's keys) keep 4."""
-    if head_dim > 128 or tiles > 1:
+    fill two per SM it loses (B = 64, L = 4k, 64/1: 65.5 -> 72.6 us). Row tiles take 8 warps too, as
+    their split count fills one 8-warp CTA per SM: two key groups of 4 warps, each on its own barrier
+    (B = 8, L = 128k, 64/1: 223 -> 201 us). D = 256 keeps 4: 8 warps' ring does not fit in shared memory."""
+    if head_dim > 128:
         return 4
     ctas = batch * heads_kv * head_chunks(group_size, tiles)
     splits = auto_num_splits(batch, heads_kv, group_size, max_keys, num_sms, head_dim, cache_dtype, tiles, warps=8)

@@ -55,8 +55,8 @@ def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
 
 
 def test_eight_warps_where_a_launch_has_one_cta_per_sm(stage):
-    """8-warp CTAs for launches of at most one CTA per SM (few or short sequences), 4 otherwise; D = 256
-    and row tiles keep 4."""
+    """8-warp CTAs for launches of at most one CTA per SM (few or short sequences, or row tiles, whose
+    split count fills one CTA per SM), 4 otherwise; D = 256 keeps 4."""
     sms = 132
     for batch, heads_kv, group, keys in ((1, 1, 8, 32768), (1, 1, 64, 32768), (1, 2, 16, 4096), (8, 1, 64, 32768)):
         assert stage.pick_warps(batch, heads_kv, group, keys, sms) == 8
@@ -65,7 +65,10 @@ def test_eight_warps_where_a_launch_has_one_cta_per_sm(stage):
     assert stage.pick_warps(64, 1, 64, 4096, sms) == 4     # 256 CTAs: two 4-warp CTAs per SM do better
     assert stage.pick_warps(64, 8, 4, 32768, sms) == 4
     assert stage.pick_warps(1, 1, 8, 32768, sms, head_dim=256) == 4
-    assert stage.pick_warps(8, 1, 64, 131072, sms, tiles=4) == 4
+    for batch, heads_kv, group, keys, tiles in ((8, 1, 64, 131072, 4), (64, 1, 64, 32768, 4), (8, 2, 32, 32768, 2)):
+        assert stage.pick_warps(batch, heads_kv, group, keys, sms, tiles=tiles) == 8
+        splits = stage.auto_num_splits(batch, heads_kv, group, keys, sms, tiles=tiles, warps=8)
+        assert batch * heads_kv * splits <= sms
     assert stage.ctas_per_sm(128, warps=8) == 1 and stage.keys_per_iteration(8) == 2 * stage.keys_per_iteration(4)
 
 
@@ -148,7 +151,7 @@ def test_compile_matrix_covers_every_option(solution):
     assert layouts == {(t, cache, d, p, tiles, warps) for t in ("float16", "bfloat16")
                        for cache in (t, "float8_e4m3fn") for d in solution.HEAD_DIMS for p in (0, *solution.PAGE_SIZES)
                        for tiles in solution.ROW_TILES if tiles <= solution.row_tiles(64, d)
-                       for warps in solution.WARPS if warps == 4 or (tiles == 1 and d <= 128)}
+                       for warps in solution.WARPS if warps == 4 or d <= 128}
     for d in solution.HEAD_DIMS:
         assert {(c.has_sink, c.write_lse) for c in CONFIGS if c.head_dim == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
 
@@ -201,22 +204,25 @@ def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
 
 RAGGED_CASES = [("float16", 64, "contiguous"), ("float16", 128, "paged64"), ("float16", 256, "paged16"),
                 ("bfloat16", 64, "paged256"), ("bfloat16", 128, "contiguous"), ("bfloat16", 256, "paged64")]
-# (H_q, H_kv, warps): 1, 2 and 4 row tiles per CTA on 4 warps, groups of 8, 24 (the second tile half-full)
-# and 64; one tile on 8 warps, groups of 8 and 64 (4 CTAs of 16 heads).
-ROW_TILE_HEADS = [(16, 2, 4), (48, 2, 4), (64, 1, 4), (16, 2, 8), (64, 1, 8)]
-HEADS_IDS = [f"h{a}-kv{b}-" + (f"tiles{STAGE.load('solutions').row_tiles(a // b)}" if w == 4 else f"warps{w}")
+# (H_q, H_kv, variant): 1, 2 and 4 row tiles per CTA on 4 warps, groups of 8, 24 (the second tile
+# half-full) and 64; one tile on 8 warps, groups of 8 and 64 (4 CTAs of 16 heads); 2 and 4 row tiles on
+# 8 warps (two key groups, each on its own barrier).
+ROW_TILE_HEADS = [(16, 2, "tiles"), (48, 2, "tiles"), (64, 1, "tiles"), (16, 2, "warps8"), (64, 1, "warps8"),
+                  (48, 2, "tiles-warps8"), (64, 1, "tiles-warps8")]
+HEADS_IDS = [f"h{a}-kv{b}-" + w.replace("tiles", f"tiles{STAGE.load('solutions').row_tiles(a // b)}")
              for a, b, w in ROW_TILE_HEADS]
 
 
 @pytest.fixture
 def force_variant(stage, monkeypatch):
-    """force_variant(warps): make decode_attention use, with 4 warps, as many row tiles as the group allows,
-    with 8 warps (D <= 128) one tile. It picks both from the launch's size (pick_row_tiles, pick_warps),
-    and the tests' small launches would mostly get one tile on 4 warps."""
-    def force(warps):
-        eight = warps == 8
+    """force_variant(variant): make decode_attention use as many row tiles as the group allows on 4 warps
+    ("tiles") or on 8 ("tiles-warps8", D <= 128), or one tile on 8 warps ("warps8", D <= 128). It picks
+    both from the launch's size (pick_row_tiles, pick_warps), and the tests' small launches would mostly
+    get one tile on 4 warps."""
+    def force(variant):
+        most_tiles, eight = variant.startswith("tiles"), variant.endswith("warps8")
         monkeypatch.setattr(stage, "pick_row_tiles", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
-                            cache_dtype: 1 if eight else stage.row_tiles(group_size, head_dim))
+                            cache_dtype: stage.row_tiles(group_size, head_dim) if most_tiles else 1)
         monkeypatch.setattr(stage, "pick_warps", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
                             cache_dtype, tiles: 8 if eight and head_dim <= 128 else 4)
     return force
@@ -224,25 +230,25 @@ def force_variant(stage, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("dtype, head_dim, layout", RAGGED_CASES, ids=[f"{a}-d{b}-{c}" for a, b, c in RAGGED_CASES])
-def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q, heads_kv, warps, fp8, force_variant):
+def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q, heads_kv, variant, fp8, force_variant):
     """Lengths 1 ... 131072 in one batch (page boundaries, a full last page), auto split count, LSE too."""
-    force_variant(warps)
+    force_variant(variant)
     inputs = testing.random_decode_inputs(RAGGED, heads_q, heads_kv, head_dim, getattr(torch, dtype),
                                           page_size=LAYOUTS[layout], seed=head_dim + heads_q)
-    run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, H_q={heads_q}, H_kv={heads_kv}, {warps} warps, fp8={fp8}, "
+    run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, H_q={heads_q}, H_kv={heads_kv}, {variant}, fp8={fp8}, "
         f"lengths {RAGGED}", fp8=fp8, return_lse=True)
 
 
 # (H_q, H_kv): MHA, groups 4, 8, 16, MQA 8 and 64; a group of 3; 24 (two row tiles, the second half-full);
 # 40 (four row tiles, the third half-full, the fourth spare); 128 (two CTAs of 64 heads). Groups over 16
 # heads run as the launch picks (one tile per CTA on 4 warps at these sizes) and with the most row tiles;
-# every grouping also on 8 warps.
+# every grouping also on 8 warps, those with row tiles on 8 warps too.
 GROUPINGS = [(32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1), (6, 2), (48, 2), (80, 2), (128, 1)]
-GROUPING_CASES = [(a, b, forced) for a, b in GROUPINGS for forced in (None, 4, 8)
-                  if forced != 4 or STAGE.load("solutions").row_tiles(a // b) > 1]
-VARIANT_IDS = {None: "", 4: "-most-tiles", 8: "-warps8"}
+GROUPING_CASES = [(a, b, forced) for a, b in GROUPINGS for forced in (None, "tiles", "warps8", "tiles-warps8")
+                  if not (forced or "").startswith("tiles") or STAGE.load("solutions").row_tiles(a // b) > 1]
+VARIANT_IDS = {None: "", "tiles": "-most-tiles", "warps8": "-warps8", "tiles-warps8": "-most-tiles-warps8"}
 
 
 @pytest.mark.gpu
@@ -259,10 +265,10 @@ def test_groupings(stage, h_q, h_kv, forced, layout, fp8, force_variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout", ["contiguous", "paged64"])
-def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_kv, warps, force_variant):
-    force_variant(warps)
+def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_kv, variant, force_variant):
+    force_variant(variant)
     inputs = testing.random_decode_inputs([2, 128, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=11)
     results = {}
@@ -274,11 +280,11 @@ def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_k
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("num_splits", [7, 37], ids=["one-level", "two-level"])
-def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, heads_kv, warps, force_variant):
+def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, heads_kv, variant, force_variant):
     """200 launches in a row: a counter left non-zero would stop the next launch from combining."""
-    force_variant(warps)
+    force_variant(variant)
     inputs = testing.random_decode_inputs([4097, 300, 1], heads_q, heads_kv, 128, torch.float16, page_size=64,
                                           seed=3)
     outs = [stage.decode_attention(**inputs, num_splits=num_splits, out=testing.poisoned_like(inputs["q"]))
@@ -289,11 +295,11 @@ def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, he
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, warps, force_variant):
+def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, variant, force_variant):
     """200 replays of one captured launch, each on a new q: the same bits as an eager launch."""
-    force_variant(warps)
+    force_variant(variant)
     inputs = testing.random_decode_inputs([4097, 32768, 5], heads_q, heads_kv, 128, torch.float16, page_size=64,
                                           seed=4)
     inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
@@ -331,10 +337,10 @@ FEATURE_CASES = {  # name: (layout, features)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout, features", FEATURE_CASES.values(), ids=FEATURE_CASES.keys())
-def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, warps, force_variant):
-    force_variant(warps)
+def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, variant, force_variant):
+    force_variant(variant)
     inputs = testing.random_decode_inputs([0, 1, 127, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=21)
     features = dict(features)
@@ -368,12 +374,12 @@ def test_large_logits_do_not_overflow(stage, fp8):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
 @pytest.mark.parametrize("climb", [0.03, 1.0], ids=["below-threshold", "above-threshold"])
-@pytest.mark.parametrize("heads_q, heads_kv, warps", ROW_TILE_HEADS, ids=HEADS_IDS)
-def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, warps, force_variant):
+@pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
+def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, variant, force_variant):
     """Scores that rise along the sequence by ``climb`` (natural log units) per key move the running
     max again and again: by less than RESCALE_THRESHOLD per iteration, where a warp keeps its max and
     the numerators grow, and by more, where it rescales O every iteration. One split: long runs."""
-    force_variant(warps)
+    force_variant(variant)
     lengths = [1500, 333]
     inputs = testing.random_decode_inputs(lengths, heads_q, heads_kv, 128, torch.float16, seed=11)
     q = inputs["q"].abs_()  # every head's q . (1, ..., 1) > 0: a key's score grows with t (1, ..., 1)
