@@ -209,6 +209,8 @@ RAGGED_CASES = [("float16", 64, "contiguous"), ("float16", 128, "paged64"), ("fl
 # 8 warps (two key groups, each on its own barrier).
 ROW_TILE_HEADS = [(16, 2, "tiles"), (48, 2, "tiles"), (64, 1, "tiles"), (16, 2, "warps8"), (64, 1, "warps8"),
                   (48, 2, "tiles-warps8"), (64, 1, "tiles-warps8")]
+# variant: (as many row tiles as the group allows, warps at D <= 128)
+VARIANTS = {"tiles": (True, 4), "warps8": (False, 8), "tiles-warps8": (True, 8)}
 HEADS_IDS = [f"h{a}-kv{b}-" + w.replace("tiles", f"tiles{STAGE.load('solutions').row_tiles(a // b)}")
              for a, b, w in ROW_TILE_HEADS]
 
@@ -220,11 +222,11 @@ def force_variant(stage, monkeypatch):
     both from the launch's size (pick_row_tiles, pick_warps), and the tests' small launches would mostly
     get one tile on 4 warps."""
     def force(variant):
-        most_tiles, eight = variant.startswith("tiles"), variant.endswith("warps8")
+        most_tiles, warps = VARIANTS[variant]
         monkeypatch.setattr(stage, "pick_row_tiles", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
                             cache_dtype: stage.row_tiles(group_size, head_dim) if most_tiles else 1)
         monkeypatch.setattr(stage, "pick_warps", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
-                            cache_dtype, tiles: 8 if eight and head_dim <= 128 else 4)
+                            cache_dtype, tiles: warps if head_dim <= 128 else 4)
     return force
 
 
@@ -246,8 +248,8 @@ def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q,
 # heads run as the launch picks (one tile per CTA on 4 warps at these sizes) and with the most row tiles;
 # every grouping also on 8 warps, those with row tiles on 8 warps too.
 GROUPINGS = [(32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1), (6, 2), (48, 2), (80, 2), (128, 1)]
-GROUPING_CASES = [(a, b, forced) for a, b in GROUPINGS for forced in (None, "tiles", "warps8", "tiles-warps8")
-                  if not (forced or "").startswith("tiles") or STAGE.load("solutions").row_tiles(a // b) > 1]
+GROUPING_CASES = [(a, b, forced) for a, b in GROUPINGS for forced in (None, *VARIANTS)
+                  if forced is None or not VARIANTS[forced][0] or STAGE.load("solutions").row_tiles(a // b) > 1]
 VARIANT_IDS = {None: "", "tiles": "-most-tiles", "warps8": "-warps8", "tiles-warps8": "-most-tiles-warps8"}
 
 
