@@ -109,7 +109,7 @@ SPLITS_PER_GROUP = 16
 # iterations skip rescaling O (online_softmax_update); a numerator exp2(s - max) stays below 2^8.
 RESCALE_THRESHOLD = 8.0
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 238, (256, 2): 252, (64, 1): 168, (128, 1): 226, (256, 1): 240}
+REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 252, (256, 2): 252, (64, 1): 166, (128, 1): 226, (256, 1): 228}
 
 
 def cache_bytes(cache_dtype: str) -> int:
@@ -541,12 +541,22 @@ class TensorCoreDecode:
         return page
 
     @cute.jit
-    def kv_row(self, mKV: cute.Tensor, page_or_batch: Int32, row: Int32, head_kv: Int32) -> cute.Tensor:
-        """K (or V) at token ``row`` of ``head_kv``: of sequence ``page_or_batch`` in a contiguous
-        cache, of pool page ``page_or_batch`` in a paged one."""
-        if cutlass.const_expr(self.page_size == 0):
-            return mKV[page_or_batch, row, head_kv, None]
-        return mKV[page_or_batch, row & (self.page_size - 1), head_kv, None]  # row % page_size
+    def kv_rows(self, mKV: cute.Tensor, page_or_batch: Int32, row: Int32, head_kv: Int32) -> cute.Tensor:
+        """K (or V) of ``head_kv`` from token ``row`` on, [rows, D]: of sequence ``page_or_batch`` in a
+        contiguous cache, of pool page ``page_or_batch`` in a paged one (rows past the page's end are
+        not this sequence's)."""
+        slot = row if cutlass.const_expr(self.page_size == 0) else row & (self.page_size - 1)  # row % page_size
+        return cute.domain_offset((slot, 0), mKV[page_or_batch, None, head_kv, None])
+
+    @cute.jit
+    def rows_in_a_line(self, first: Int32, v_end: Int32, row_first: Int32, row_last: Int32):
+        """Whether the warp's 16 keys from visible key ``first`` are 16 consecutive cache rows (of one
+        page): none past the split's end, none across the edge between the sink keys and the window."""
+        line = (first + KEYS_PER_WARP <= v_end) & (row_last - row_first == KEYS_PER_WARP - 1)
+        if cutlass.const_expr(self.page_size != 0):
+            shift = self.page_size.bit_length() - 1
+            line = line & ((row_first >> shift) == (row_last >> shift))
+        return line
     # --8<-- [end:key_row]
 
     # --8<-- [start:issue_loads]
@@ -566,18 +576,49 @@ class TensorCoreDecode:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
                                    num_bits_per_copy=128)
         chunk = lane % self.chunks
+        row_first = self.cache_row(first, v_end, n_sink, lo)
+        row_last = self.cache_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo)
         # A runtime loop of at most 8 unrolled copies: D = 256's 16 unrolled row addresses took
         # ptxas past its 255 registers (a 24-byte spill in the main loop).
-        for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
-            tile_row = i * self.rows_per_copy + lane // self.chunks
-            row = self.cache_row(first + tile_row, v_end, n_sink, lo)
-            # Paged: row r's page is in lane r (lookup_page).
-            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else cute.arch.shuffle_sync(page, tile_row)
-            at = swizzle(tile_row, self.chunks) ^ chunk
-            cute.copy(atom, cute.local_tile(self.kv_row(mK, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
-                      sK[tile_row, at, None])
-            cute.copy(atom, cute.local_tile(self.kv_row(mV, page_or_batch, row, head_kv), (self.k_elems,), (chunk,)),
-                      sV[tile_row, at, None])
+        if self.rows_in_a_line(first, v_end, row_first, row_last):
+            # Nearly every slice: one row block per tensor (one page), whose copies step a lane's
+            # address by rows_per_copy rows; a lane's own page is the slice's page.
+            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else page
+            lane_k = self.lane_copies(self.kv_rows(mK, page_or_batch, row_first, head_kv), lane)
+            lane_v = self.lane_copies(self.kv_rows(mV, page_or_batch, row_first, head_kv), lane)
+            for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
+                tile_row = i * self.rows_per_copy + lane // self.chunks
+                self.copy_pieces(atom, lane_k[i, None], lane_v[i, None], sK, sV, tile_row, chunk)
+        else:
+            # The split's last slice (rows past its end re-read its last key), and slices across the
+            # sinks' edge or a page boundary: a row, and a page, per copy.
+            for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
+                tile_row = i * self.rows_per_copy + lane // self.chunks
+                row = self.cache_row(first + tile_row, v_end, n_sink, lo)
+                # Paged: row r's page is in lane r (lookup_page).
+                page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else cute.arch.shuffle_sync(page, tile_row)
+                self.copy_pieces(atom, cute.local_tile(self.kv_rows(mK, page_or_batch, row, head_kv)[0, None],
+                                                       (self.k_elems,), (chunk,)),
+                                 cute.local_tile(self.kv_rows(mV, page_or_batch, row, head_kv)[0, None],
+                                                 (self.k_elems,), (chunk,)), sK, sV, tile_row, chunk)
+
+    @cute.jit
+    def lane_copies(self, rows: cute.Tensor, lane: Int32) -> cute.Tensor:
+        """The 16-byte pieces lane ``lane`` copies of 16 consecutive rows, [copies, piece]: one 64-bit address,
+        then a 32-bit step of rows_per_copy rows per copy (a 64-bit row x stride product per copy took
+        about 8 instructions)."""
+        first_piece = cute.local_tile(rows[lane // self.chunks, None], (self.k_elems,), (lane % self.chunks,))
+        step = cute.assume(Int32(rows.layout.stride[0]) * self.rows_per_copy, divby=self.k_elems)
+        return cute.make_tensor(first_piece.iterator, cute.make_layout((self.copies, self.k_elems), stride=(step, 1)))
+
+    @cute.jit
+    def copy_pieces(self, atom, k_piece: cute.Tensor, v_piece: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                    tile_row: Int32, chunk: Int32):
+        """Chunk ``chunk`` of a K row and of a V row (16 bytes each) into row ``tile_row`` of the warp's tiles,
+        swizzled."""
+        at = swizzle(tile_row, self.chunks) ^ chunk
+        cute.copy(atom, k_piece, sK[tile_row, at, None])
+        cute.copy(atom, v_piece, sV[tile_row, at, None])
     # --8<-- [end:issue_loads]
 
     # --8<-- [start:ring_barrier]
