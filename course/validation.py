@@ -292,13 +292,15 @@ def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                         window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, return_lse=False,
                         out=None, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256), k_scale=None,
-                        v_scale=None, stage=7) -> DecodeInputShape:
+                        v_scale=None, stage=7, max_token_stride=None) -> DecodeInputShape:
     """Validate the decode API's arguments (shapes, dtypes, options); return the sizes.
 
     Only metadata is read here. The lengths themselves (values of
     cache_seqlens and block_table) are checked by ``check_decode_lengths``,
     the FP8 scales' values by ``check_kv_scale_values``. ``stage``: the
     calling stage; an FP8 cache (and its scales) needs stage 9.
+    ``max_token_stride``: the stage's bound on the caches' token stride
+    (dimension 1), in elements, if its copies step between tokens with 32-bit offsets.
     """
     import torch
 
@@ -321,6 +323,8 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} but v_cache has {tuple(v_cache.shape)}; "
                          "they must match")
+    if max_token_stride is not None:
+        _check_token_stride(k_cache, v_cache, max_token_stride, stage)
     _check_not_empty("q", q, ("batch", "H_q", "head_dim"))
     slot_dims = ("batch", "S_max") if block_table is None else ("num_pages", "page_size")
     _check_not_empty("k_cache", k_cache, (*slot_dims, "H_kv", "head_dim"))
@@ -364,6 +368,17 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     if out is not None:
         _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
     return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages)
+
+
+def _check_token_stride(k_cache, v_cache, limit: int, stage: int) -> None:
+    """The step from one cache token to the next (dimension 1) is below ``limit`` elements."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[1] > 1 and t.stride(1) >= limit:
+            raise ValueError(
+                f"{name} has strides {t.stride()}: from one token to the next (dimension 1) is {t.stride(1)} "
+                f"elements; stage {stage} steps between tokens with 32-bit offsets and accepts token strides "
+                f"below {limit} elements (a cache laid out [.., tokens, H_kv, D] steps H_kv x D per token)"
+            )
 
 
 def _check_kv_scales(k_scale, v_scale, *, fp8: bool, cache_dtype, heads_kv: int) -> None:

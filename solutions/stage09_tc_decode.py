@@ -100,7 +100,7 @@ MIN_KEYS_PER_SPLIT = 256
 # Row tiles (one CTA for up to 64 heads) give each warp 1, 2 or 4 times the math per key: they pay
 # when the launch fills every CTA slot with splits of at least this many keys (measured on the H100,
 # "Row tiles" on the page); with fewer, ceil(G / 16) CTAs of one tile, 4x the warps, finish sooner.
-MIN_KEYS_PER_TILED_SPLIT = 1024
+MIN_KEYS_PER_TILED_SPLIT = 2048
 SPLIT_CTAS_PER_SM = 1
 # Splits whose partials the last CTA of their group folds first: the final combine then reads
 # SPLITS_PER_GROUP + num_splits / SPLITS_PER_GROUP partials instead of num_splits.
@@ -109,6 +109,9 @@ SPLITS_PER_GROUP = 16
 # iterations skip rescaling O (online_softmax_update); a numerator exp2(s - max) stays below 2^8.
 RESCALE_THRESHOLD = 8.0
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
+# A lane's copies of 16 consecutive cache rows step from one address by a 32-bit offset of up to 16
+# token strides (lane_copies): token strides from 2**27 elements on are rejected before launch.
+MAX_TOKEN_STRIDE = 2**27
 REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 252, (256, 2): 252, (64, 1): 166, (128, 1): 226, (256, 1): 228}
 
 
@@ -147,16 +150,16 @@ def pick_row_tiles(batch: int, heads_kv: int, group_size: int, max_keys: int, nu
     """The row tiles a launch uses: row_tiles(G, D) when its streams, cut into splits of at least
     MIN_KEYS_PER_TILED_SPLIT keys, fill every CTA slot of the GPU; else 1.
 
-    With few or short sequences the ceil(G / 16) CTAs of one tile each win:
-    4 times the warps work on the same keys, and L2 serves the repeated reads.
-    With a full GPU the repeated reads cost: at B = 8, L = 128k, 64/1, one CTA
-    of 4 tiles took 239 us where 4 CTAs of one tile took 402 (H100). An FP8
-    cache keeps one tile: its repeated reads are half the bytes, and one tile
-    per CTA measured 5-16% faster at 64/2, 48/2 and B = 8, L = 128k, 64/1,
-    3-4% slower at B = 64.
+    The ceil(G / 16) CTAs of one tile each read the same keys, side by side
+    (the grid makes them consecutive CTAs), so L2 serves most repeats and 4
+    times the warps work on the same keys: they win up to B = 8, L = 64k at
+    64/1 (99 us against 113 for one CTA of 4 tiles, H100). With a full GPU
+    the repeats cost: at B = 64, L = 32k, 4 tiles took 377 us and one tile
+    398; at L = 128k, 1450 against 1609. An FP8 cache follows the same rule
+    (B = 64: 344 against 391 us at 32k, 1460 against 1730 at 128k).
     """
     tiles = row_tiles(group_size, head_dim)
-    if tiles == 1 or cache_dtype == "float8_e4m3fn":
+    if tiles == 1:
         return 1
     streams = batch * heads_kv * head_chunks(group_size, tiles)
     slots = num_sms * ctas_per_sm(head_dim, cache_dtype, tiles)
@@ -536,7 +539,8 @@ class TensorCoreDecode:
         # --8<-- [start:grid]
         batch, heads_q, heads_kv = mQ.shape[0], mQ.shape[1], mK.shape[2]
         chunks = (heads_q // heads_kv + self.rows - 1) // self.rows
-        grid = (num_splits, heads_kv * chunks, batch)
+        # The head chunks of one split are consecutive CTAs: they read the same keys, so they start together
+        grid = (num_splits * chunks, heads_kv, batch)
         # --8<-- [end:grid]
         self.kernel(
             mQ, mK, mV, mSeqlens, mBlockTable, mSink, mKScale, mVScale, mO, mLSE, mPartO, mPartLSE, mCounters,
@@ -634,7 +638,7 @@ class TensorCoreDecode:
     def lane_copies(self, rows: cute.Tensor, lane: Int32) -> cute.Tensor:
         """The 16-byte pieces lane ``lane`` copies of 16 consecutive rows, [copies, piece]: one 64-bit address,
         then a 32-bit step of rows_per_copy rows per copy (a 64-bit row x stride product per copy took
-        about 8 instructions)."""
+        about 8 instructions): 16 token strides fit in an Int32, as the host checks (MAX_TOKEN_STRIDE)."""
         first_piece = cute.local_tile(rows[lane // self.chunks, None], (self.k_elems,), (lane % self.chunks,))
         step = cute.assume(Int32(rows.layout.stride[0]) * self.rows_per_copy, divby=self.k_elems)
         return cute.make_tensor(first_piece.iterator, cute.make_layout((self.copies, self.k_elems), stride=(step, 1)))
@@ -657,8 +661,6 @@ class TensorCoreDecode:
         all of the group's warps copied (the group waits for its warps, on its own named barrier)."""
         if cutlass.const_expr(self.row_tiles == 1):
             cute.arch.sync_warp()
-        elif cutlass.const_expr(self.key_groups == 1):
-            cute.arch.sync_threads()
         else:  # barrier 0 is sync_threads'
             cute.arch.barrier(barrier_id=1 + key_group, number_of_threads=32 * self.row_tiles)
     # --8<-- [end:ring_barrier]
@@ -816,17 +818,18 @@ class TensorCoreDecode:
     ):
         d = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        split, kv_chunk, batch = cute.arch.block_idx()
-        num_splits, kv_ctas, _ = cute.arch.grid_dim()
+        split_chunk, head_kv, batch = cute.arch.block_idx()
 
         # --8<-- [start:heads]
         # GQA packing: the CTA's query heads are up to 16 x row_tiles consecutive heads of one KV
         # head's group, the rows of the MMAs.
         group_size = mQ.shape[1] // mK.shape[2]
         chunks = (group_size + self.rows - 1) // self.rows
-        head_kv = kv_chunk // chunks
-        first_head = head_kv * group_size + (kv_chunk % chunks) * self.rows
-        heads_here = cutlass.min(group_size - (kv_chunk % chunks) * self.rows, Int32(self.rows))
+        split, head_chunk = split_chunk // chunks, split_chunk % chunks
+        num_splits = cute.arch.grid_dim()[0] // chunks
+        kv_chunk, kv_ctas = head_kv * chunks + head_chunk, mK.shape[2] * chunks
+        first_head = head_kv * group_size + head_chunk * self.rows
+        heads_here = cutlass.min(group_size - head_chunk * self.rows, Int32(self.rows))
         # --8<-- [end:heads]
 
         # --8<-- [start:threads]
@@ -1218,7 +1221,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
         window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
         num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
-        k_scale=k_scale, v_scale=v_scale, stage=STAGE,
+        k_scale=k_scale, v_scale=v_scale, stage=STAGE, max_token_stride=MAX_TOKEN_STRIDE,
     )
     if check_lengths and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         validation.check_decode_lengths(cache_seqlens, block_table, shape)

@@ -90,10 +90,12 @@ def test_row_tiles_only_where_they_pay(stage):
     assert stage.pick_row_tiles(8, 1, 64, 131072, sms) == 4
     assert stage.pick_row_tiles(64, 2, 32, 32768, sms) == 2
     assert stage.pick_row_tiles(1, 1, 64, 131072, sms) == 1   # one sequence: splits too short to fill the GPU
+    assert stage.pick_row_tiles(8, 1, 64, 65536, sms) == 1    # 4 CTAs of one tile side by side: L2 keeps up
+    assert stage.pick_row_tiles(4, 1, 64, 131072, sms) == 1
     assert stage.pick_row_tiles(8, 1, 64, 4096, sms) == 1
     assert stage.pick_row_tiles(64, 8, 8, 32768, sms) == 1    # groups of up to 16 heads: one tile anyway
     assert stage.pick_row_tiles(64, 1, 64, 32768, sms, head_dim=256) == 1
-    assert stage.pick_row_tiles(64, 1, 64, 32768, sms, cache_dtype="float8_e4m3fn") == 1  # half the bytes: L2 keeps up
+    assert stage.pick_row_tiles(64, 1, 64, 32768, sms, cache_dtype="float8_e4m3fn") == 4  # FP8: the same rule
     # With row tiles the split count fills every CTA slot.
     splits = stage.auto_num_splits(8, 1, 64, 131072, sms, tiles=4)
     assert splits * 8 <= sms * stage.ctas_per_sm(128, tiles=4) < (splits + 1) * 8
@@ -132,7 +134,21 @@ BAD_INPUTS = {
     "fp8-k-only": (lambda: replaced(fp8_cpu_inputs(), v_cache=fp8_cpu_inputs()["v_cache"].half()), {}, TypeError,
                    "share one dtype"),
     "fp8-valid-reaches-the-device-check": (lambda: fp8_cpu_inputs(), {}, ValueError, "CUDA"),
+    "token-stride-2**27": (lambda: strided_tokens(STAGE.load("solutions").MAX_TOKEN_STRIDE), {}, ValueError,
+                           r"k_cache has strides .* accepts token strides below 134217728 elements"),
+    "token-stride-below-2**27-reaches-the-device-check": (
+        lambda: strided_tokens(STAGE.load("solutions").MAX_TOKEN_STRIDE - 64), {}, ValueError, "CUDA"),
 }
+
+
+def strided_tokens(token_stride: int) -> dict:
+    """CPU inputs whose caches step ``token_stride`` elements from one token to the next: meta tensors,
+    so that no memory backs the huge span."""
+    inputs = cpu_inputs()
+    b, s, h, d = inputs["k_cache"].shape
+    cache = torch.empty_strided((b, s, h, d), (s * token_stride, token_stride, d, 1), dtype=torch.float16,
+                                device="meta")
+    return replaced(inputs, k_cache=cache, v_cache=cache)
 
 
 @pytest.mark.parametrize("make, options, error, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
