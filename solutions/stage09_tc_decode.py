@@ -97,6 +97,9 @@ LN_2 = math.log(2.0)
 # of them outrun HBM (stage 7 aims at 2 CTAs), and no split under 4 loop iterations, whose fixed
 # cost (the first copies' latency, the merge, the arrival) a shorter split does not repay.
 MIN_KEYS_PER_SPLIT = 256
+# Short sequences (fewer than SHORT_SPLITS splits of MIN_KEYS_PER_SPLIT keys): splits of one 8-warp
+# iteration, as a sequence of 1024 keys finishes sooner in 8 one-iteration splits than in 4 of two.
+SHORT_SPLIT_KEYS, SHORT_SPLITS = 128, 8
 # Row tiles (one CTA for up to 64 heads) give each warp 1, 2 or 4 times the math per key: they pay
 # when the launch fills every CTA slot with splits of at least this many keys (measured on the H100,
 # "Row tiles" on the page); with fewer, ceil(G / 16) CTAs of one tile, 4x the warps, finish sooner.
@@ -1166,8 +1169,9 @@ def ctas_per_sm(head_dim: int, cache_dtype: str = "float16", tiles: int = 1, war
 def auto_num_splits(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sms: int, head_dim: int = 128,
                     cache_dtype: str = "float16", tiles: int = 1, warps: int = 4) -> int:
     """The split count for num_splits=0: ``course.launch.pick_num_splits`` with this kernel's CTAs per
-    SM, at least MIN_KEYS_PER_SPLIT keys per split and, for few sequences, SPLIT_CTAS_PER_SM
-    (sequence, KV head) streams per SM.
+    SM, at least MIN_KEYS_PER_SPLIT keys per split (SHORT_SPLIT_KEYS for sequences shorter than
+    SHORT_SPLITS such splits) and, for few sequences, SPLIT_CTAS_PER_SM (sequence, KV head) streams
+    per SM.
 
     The CTAs before splitting are B x H_kv x head_chunks(G, tiles): MQA with
     few sequences still fills the GPU. With one row tile, the ceil(G / 16)
@@ -1177,9 +1181,10 @@ def auto_num_splits(batch: int, heads_kv: int, group_size: int, max_keys: int, n
     """
     chunks = head_chunks(group_size, tiles)
     fits = ctas_per_sm(head_dim, cache_dtype, tiles, warps)
+    short = max_keys < SHORT_SPLITS * MIN_KEYS_PER_SPLIT
     return launch.pick_num_splits(batch * heads_kv * chunks, max_keys, num_sms, fits,
                                   split_ctas_per_sm=SPLIT_CTAS_PER_SM * chunks if tiles == 1 else fits,
-                                  min_keys_per_split=MIN_KEYS_PER_SPLIT)
+                                  min_keys_per_split=SHORT_SPLIT_KEYS if short else MIN_KEYS_PER_SPLIT)
 
 
 def pick_warps(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sms: int, head_dim: int = 128,

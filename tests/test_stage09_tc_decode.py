@@ -42,7 +42,11 @@ def test_auto_split_count_fills_the_gpu_from_b_times_h_kv(stage):
     # MQA with few sequences: 16 sequences x 1 KV head are 16 CTAs before splitting.
     mqa = stage.auto_num_splits(16, 1, 8, 16384, sms)
     assert mqa * 16 <= target < (mqa + 1) * 16
-    assert stage.auto_num_splits(8, 8, 4, stage.MIN_KEYS_PER_SPLIT, sms) == 1  # short sequences: one split
+    assert stage.auto_num_splits(8, 8, 4, stage.SHORT_SPLIT_KEYS, sms) == 1    # short sequences: one split
+    # Below SHORT_SPLITS splits of MIN_KEYS_PER_SPLIT keys, splits of SHORT_SPLIT_KEYS keys.
+    assert stage.auto_num_splits(1, 1, 8, 1024, sms) == 1024 // stage.SHORT_SPLIT_KEYS
+    assert stage.auto_num_splits(1, 1, 8, 256, sms) == 2
+    assert stage.auto_num_splits(1, 1, 8, 2048, sms) == 2048 // stage.MIN_KEYS_PER_SPLIT
     big = stage.auto_num_splits(64, 8, 4, 4096, sms)                          # a big batch: a well-filled last wave
     waves = 64 * 8 * big / (sms * stage.ctas_per_sm(128))
     assert big <= 4 and waves / math.ceil(waves) > 0.9
