@@ -111,10 +111,10 @@ SPLITS_PER_GROUP = 16
 # A warp's running max moves only when a new score exceeds it by more than this (log2 units), so most
 # iterations skip rescaling O (online_softmax_update); a numerator exp2(s - max) stays below 2^8.
 RESCALE_THRESHOLD = 8.0
-# The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
 # A lane's copies of 16 consecutive cache rows step from one address by a 32-bit offset of up to 16
 # token strides (lane_copies): token strides from 2**27 elements on are rejected before launch.
 MAX_TOKEN_STRIDE = 2**27
+# The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
 REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 252, (256, 2): 252, (64, 1): 166, (128, 1): 226, (256, 1): 228}
 
 
@@ -469,7 +469,7 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
 
 
 class TensorCoreDecode:
-    """Grid (num_splits, H_kv x head chunks, B); one CTA = one split of one KV head's keys, for up to
+    """Grid (num_splits x head chunks, H_kv, B); one CTA = one split of one KV head's keys, for up to
     16 x row_tiles query heads."""
 
     def __init__(self, config: "DecodeConfig"):
