@@ -21,8 +21,9 @@ for the next launch. What changes:
    S = Q K^T is 2 MMAs per 16 columns of D (K's 8 keys are N), P V is one
    MMA per 8 columns of D (the 16 keys are K), and P never leaves the
    registers: the MMA's accumulator layout for S is its operand layout for P.
-   A larger group takes ceil(G / 16) such CTAs, or, when the launch fills
-   the GPU, one CTA of 2 or 4 row tiles (a warp, or with 8 warps two, per 16
+   A larger group takes ceil(G / 16) such CTAs, consecutive in the grid so
+   that they read each split's keys together through L2, or, when the launch
+   fills the GPU, one CTA of 2 or 4 row tiles (a warp, or with 8 warps two, per 16
    heads, each reading all of its key group's keys), so that K and V are
    read once.
 2. Whole-row copies, fragment-order reads: each warp copies its 16 keys' K
