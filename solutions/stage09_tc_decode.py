@@ -1193,8 +1193,8 @@ def pick_warps(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sm
     """8 warps per CTA when a launch of 8-warp CTAs (with its own split count) has at most one CTA per
     SM, else 4: few or short sequences, where a CTA's 4 warps, one per scheduler, each wait on
     their own latencies and nothing else runs on the SM. Measured on the H100 ("Eight warps" on the
-    page): B = 1, L = 32k, 64/1 from 22.0 to 18.8 us, 8/1 from 12.7 to 11.7 us; where 4-warp CTAs
-    fill two per SM it loses (B = 64, L = 4k, 64/1: 65.5 -> 72.6 us). Row tiles take 8 warps too, as
+    page): B = 1, L = 32k, 64/1 from 18.2 to 15.4 us, 8/1 from 12.7 to 11.7 us; where 4-warp CTAs
+    fill two per SM it loses (B = 64, L = 4k, 64/1: 55.2 -> 63.3 us). Row tiles take 8 warps too, as
     their split count fills one 8-warp CTA per SM: two key groups of 4 warps, each on its own barrier
     (B = 8, L = 128k, 64/1: 223 -> 201 us). D = 256 keeps 4: 8 warps' ring does not fit in shared memory."""
     if head_dim > 128:
