@@ -226,6 +226,61 @@ def grouping_table(rows: list[dict], number: int) -> list[str]:
     return lines
 
 
+def _shape_name(shape: DecodeShape) -> str:
+    return f"B{shape.batch} {_seqlen(shape.seqlen_k)}" + (" paged" if shape.paged else "")
+
+
+def _span(values: list[float], spec: str, unit: str) -> str:
+    """The lowest and highest of ``values`` as "lo-hi" and the unit (one value once), or "-" for none."""
+    if not values:
+        return "-"
+    lo, hi = spec.format(min(values)), spec.format(max(values))
+    return (lo if lo == hi else f"{lo}-{hi}") + unit
+
+
+def summary_table(rows: list[dict], number: int, long_from: int = 32 * 1024) -> list[str]:
+    """One line per head grouping, stage ``number`` measured the way its targets are stated: its ratio to
+    cuDNN (the median over contiguous shapes; the lowest over all, paged against cuDNN on the contiguous
+    cache), how far its paged rows trail its contiguous ones (the largest ratio gap), its share of the
+    device-to-device copy bandwidth (its lowest, next to cuDNN's on that shape) and its FP8 cache's tokens/s
+    over the 16-bit cache's, both from ``long_from`` keys on, for one sequence and for more."""
+    from statistics import median
+
+    ours, fp8 = f"stage {number}", f"stage {number}{FP8_SUFFIX}"
+    header = ["grouping", "vs cuDNN: median", "vs cuDNN: lowest", "paged behind contiguous: most",
+              "copy share, B = 1: lowest", "copy share, B > 1: lowest", "fp8 speed-up, B = 1", "fp8 speed-up, B > 1"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    by_key = {(r["kernel"], r["label"]): r for r in rows}
+    for h_q, h_kv in groupings_of(rows):
+        mine = [r for r in rows if r["kernel"] == ours and grouping(r) == (h_q, h_kv)]
+        ratios = {}  # DecodeShape -> ratio to cuDNN
+        for r in mine:
+            shape = decode_shape(r)
+            cudnn = by_key.get((BASELINE, replace(shape, paged=False).label))
+            if cudnn:
+                ratios[shape] = cudnn["ms"] / r["ms"]
+        contiguous = [ratio for shape, ratio in ratios.items() if not shape.paged]
+        lowest = min(ratios, key=ratios.get, default=None)
+        gaps = {shape: ratios[replace(shape, paged=False)] - ratio for shape, ratio in ratios.items()
+                if shape.paged and replace(shape, paged=False) in ratios}
+        widest = max(gaps, key=gaps.get, default=None)
+        long = [r for r in rows if grouping(r) == (h_q, h_kv) and r["shape"]["seqlen_k"] >= long_from]
+        cells = [f"{h_q}/{h_kv}",
+                 f"{median(contiguous):.2f}x" if contiguous else "-",
+                 f"{ratios[lowest]:.2f}x ({_shape_name(lowest)})" if lowest else "-",
+                 f"{max(gaps[widest], 0.0):.2f} ({_shape_name(replace(widest, paged=False))})" if widest else "-"]
+        for many in (False, True):
+            shares = [r for r in long if r["kernel"] == ours and "copy_fraction" in r and (r["shape"]["batch"] > 1) == many]
+            low = min(shares, key=lambda r: r["copy_fraction"], default=None)
+            cudnn = low and by_key.get((BASELINE, replace(decode_shape(low), paged=False).label))
+            cells.append("-" if low is None else f"{100 * low['copy_fraction']:.0f}% ({_shape_name(decode_shape(low))}"
+                         + (f"; cuDNN {100 * cudnn['copy_fraction']:.0f}%)" if cudnn and "copy_fraction" in cudnn else ")"))
+        cells += [_span([r["speedup_vs_fp16"] for r in long if r["kernel"] == fp8 and "speedup_vs_fp16" in r
+                         and (r["shape"]["batch"] > 1) == many], "{:.2f}", "x") for many in (False, True)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def groupings_section(rows: list[dict], number: int, images: str) -> list[str]:
     """Stage ``number``'s decode results over head groupings: what the columns mean, the plot, a table per grouping."""
     text = (f"GB/s = bytes of the K/V cache read once / time, from CUDA graph replays, one table per head grouping "
@@ -239,6 +294,11 @@ def groupings_section(rows: list[dict], number: int, images: str) -> list[str]:
     text += " \"-\": not measured (the bench's log says why: no such layout, a refused shape, or memory)."
     lines = [text, "", f"![Decode: GB/s against the context length, per head grouping and batch size]"
                        f"({images}/{GROUPINGS_PLOT})"]
+    lines += ["", f"**Per grouping**: stage {number}'s ratio to cuDNN over the tables' shapes, the largest lead of a "
+                  "contiguous row over the paged row of the same shape, and from L = 32k on its lowest share of "
+                  "the device-to-device copy bandwidth (the copy's read + write GB/s, measured in the same run; "
+                  "cuDNN's share on the same shape beside it) and the FP8 cache's speed-up in tokens/s over the "
+                  "16-bit cache.", "", *summary_table(rows, number)]
     for h_q, h_kv in groupings_of(rows):
         lines += ["", f"**H_q = {h_q}, H_kv = {h_kv} ({grouping_name(h_q, h_kv)})**", "",
                   *grouping_table([r for r in rows if grouping(r) == (h_q, h_kv)], number)]

@@ -605,19 +605,23 @@ class TensorCoreDecode:
                 row = self.cache_row(first + tile_row, v_end, n_sink, lo)
                 # Paged: row r's page is in lane r (lookup_page).
                 page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else cute.arch.shuffle_sync(page, tile_row)
-                self.copy_pieces(atom, cute.local_tile(self.kv_rows(mK, page_or_batch, row, head_kv)[0, None],
-                                                       (self.k_elems,), (chunk,)),
-                                 cute.local_tile(self.kv_rows(mV, page_or_batch, row, head_kv)[0, None],
-                                                 (self.k_elems,), (chunk,)), sK, sV, tile_row, chunk)
+                self.copy_pieces(atom, self.row_piece(self.kv_rows(mK, page_or_batch, row, head_kv), 0, chunk),
+                                 self.row_piece(self.kv_rows(mV, page_or_batch, row, head_kv), 0, chunk),
+                                 sK, sV, tile_row, chunk)
 
     @cute.jit
     def lane_copies(self, rows: cute.Tensor, lane: Int32) -> cute.Tensor:
         """The 16-byte pieces lane ``lane`` copies of 16 consecutive rows, [copies, piece]: one 64-bit address,
         then a 32-bit step of rows_per_copy rows per copy (a 64-bit row x stride product per copy took
         about 8 instructions): 16 token strides fit in an Int32, as the host checks (MAX_TOKEN_STRIDE)."""
-        first_piece = cute.local_tile(rows[lane // self.chunks, None], (self.k_elems,), (lane % self.chunks,))
+        first_piece = self.row_piece(rows, lane // self.chunks, lane % self.chunks)
         step = cute.assume(Int32(rows.layout.stride[0]) * self.rows_per_copy, divby=self.k_elems)
         return cute.make_tensor(first_piece.iterator, cute.make_layout((self.copies, self.k_elems), stride=(step, 1)))
+
+    @cute.jit
+    def row_piece(self, rows: cute.Tensor, r: Int32, chunk: Int32) -> cute.Tensor:
+        """The 16-byte piece ``chunk`` of row ``r`` of a row block [rows, D]."""
+        return cute.local_tile(rows[r, None], (self.k_elems,), (chunk,))
 
     @cute.jit
     def copy_pieces(self, atom, k_piece: cute.Tensor, v_piece: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,

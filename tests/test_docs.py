@@ -170,6 +170,33 @@ def test_models_table_shows_every_row():
     assert [ax.get_title() for ax in model_bench.figure(results).axes] == ["decode, 32 steps after 4096 tokens"]
 
 
+def test_summary_table_of_a_grouping():
+    """The per-grouping summary of stage 9's results on made-up rows (never written anywhere): the median
+    over contiguous shapes, the lowest ratio, the widest paged gap, the lowest copy share next to cuDNN's,
+    and the FP8 speed-ups from L = 32k on."""
+    from dataclasses import asdict
+
+    from course import results
+    from course.shapes import DecodeShape
+
+    def row(kernel, shape, ms, **extra):
+        return {"kernel": kernel, "label": shape.label, "shape": asdict(shape), "ms": ms, **extra}
+
+    rows = []
+    for batch, seqlen, ms in ((1, 4096, 0.010), (1, 32768, 0.020), (8, 32768, 0.080), (8, 131072, 0.300)):
+        contiguous = DecodeShape(batch, seqlen, heads_q=8, heads_kv=1)
+        paged = DecodeShape(batch, seqlen, heads_q=8, heads_kv=1, paged=True)
+        rows.append(row("SDPA cuDNN", contiguous, ms, copy_fraction=0.9 if batch == 8 else 0.45))
+        rows.append(row("stage 9", contiguous, ms / (1.10 if batch == 8 else 0.90),
+                        copy_fraction=0.95 if batch == 8 else 0.5))
+        rows.append(row("stage 9", paged, ms / (1.05 if seqlen == 32768 and batch == 8 else 0.89)))
+        rows.append(row("stage 9 fp8", contiguous, ms, speedup_vs_fp16=1.9 if batch == 8 else 1.1))
+    lines = results.summary_table(rows, 9)
+    assert lines[2] == ("| 8/1 | 1.00x | 0.89x (B1 4k paged) | 0.21 (B8 128k) | 50% (B1 32k; cuDNN 45%) "
+                        "| 95% (B8 32k; cuDNN 90%) | 1.10x | 1.90x |"), lines[2]
+    assert len(lines) == 3
+
+
 def test_results_tables_cover_every_measured_stage():
     import json
 
