@@ -29,6 +29,7 @@ BASELINE = "SDPA cuDNN"
 PEER = "FA4"  # FlashAttention-4's Hopper kernel, in the same DSL: a column where it ran
 FP8_SUFFIX = " fp8"  # "stage 9 fp8": stage 9's kernel on the FP8 (e4m3) copy of the same cache
 GROUPINGS_PLOT = "bench-decode-groupings.png"  # stage 9: GB/s against L, per head grouping and batch size
+LONG_CONTEXT = 32 * 1024  # stage 9's summary: copy share and FP8 speed-up from this many keys on (its targets')
 
 
 def cudnn_version(version) -> str:
@@ -200,6 +201,11 @@ def _seqlen(length: int) -> str:
     return f"{length // 1024}k" if length % 1024 == 0 else str(length)
 
 
+def _cudnn_row(by_key: dict, shape: DecodeShape) -> dict | None:
+    """SDPA cuDNN's row on ``shape``'s cache stored contiguously (SDPA has no paged cache), or None."""
+    return by_key.get((BASELINE, replace(shape, paged=False).label))
+
+
 def grouping_table(rows: list[dict], number: int) -> list[str]:
     """One head grouping's rows of stage ``number``: a line per (B, L, layout), GB/s per kernel, then the
     stage's ratio to cuDNN (a paged row: to cuDNN on the same cache stored contiguously), its FP8
@@ -214,7 +220,7 @@ def grouping_table(rows: list[dict], number: int) -> list[str]:
     by_key = {(r["kernel"], r["label"]): r for r in rows}
     for shape in sorted(set(map(decode_shape, rows)), key=lambda s: (s.batch, s.seqlen_k, s.paged)):
         row = {kernel: by_key.get((kernel, shape.label)) for kernel in kernels}
-        cudnn = by_key.get((BASELINE, replace(shape, paged=False).label))
+        cudnn = _cudnn_row(by_key, shape)
         cells = [str(shape.batch), _seqlen(shape.seqlen_k), f"paged {shape.page_size}" if shape.paged else "contiguous"]
         cells += [_value(row[kernel], "gbps", "{:.0f}") for kernel in kernels]
         cells.append(_ratio(cudnn["ms"], row[ours]["ms"]) if cudnn and row.get(ours) else "-")
@@ -238,12 +244,12 @@ def _span(values: list[float], spec: str, unit: str) -> str:
     return (lo if lo == hi else f"{lo}-{hi}") + unit
 
 
-def summary_table(rows: list[dict], number: int, long_from: int = 32 * 1024) -> list[str]:
+def summary_table(rows: list[dict], number: int) -> list[str]:
     """One line per head grouping, stage ``number`` measured the way its targets are stated: its ratio to
     cuDNN (the median over contiguous shapes; the lowest over all, paged against cuDNN on the contiguous
     cache), how far its paged rows trail its contiguous ones (the largest ratio gap), its share of the
     device-to-device copy bandwidth (its lowest, next to cuDNN's on that shape) and its FP8 cache's tokens/s
-    over the 16-bit cache's, both from ``long_from`` keys on, for one sequence and for more."""
+    over the 16-bit cache's, both from LONG_CONTEXT keys on, for one sequence and for more."""
     from statistics import median
 
     ours, fp8 = f"stage {number}", f"stage {number}{FP8_SUFFIX}"
@@ -256,7 +262,7 @@ def summary_table(rows: list[dict], number: int, long_from: int = 32 * 1024) -> 
         ratios = {}  # DecodeShape -> ratio to cuDNN
         for r in mine:
             shape = decode_shape(r)
-            cudnn = by_key.get((BASELINE, replace(shape, paged=False).label))
+            cudnn = _cudnn_row(by_key, shape)
             if cudnn:
                 ratios[shape] = cudnn["ms"] / r["ms"]
         contiguous = [ratio for shape, ratio in ratios.items() if not shape.paged]
@@ -264,7 +270,7 @@ def summary_table(rows: list[dict], number: int, long_from: int = 32 * 1024) -> 
         gaps = {shape: ratios[replace(shape, paged=False)] - ratio for shape, ratio in ratios.items()
                 if shape.paged and replace(shape, paged=False) in ratios}
         widest = max(gaps, key=gaps.get, default=None)
-        long = [r for r in rows if grouping(r) == (h_q, h_kv) and r["shape"]["seqlen_k"] >= long_from]
+        long = [r for r in rows if grouping(r) == (h_q, h_kv) and r["shape"]["seqlen_k"] >= LONG_CONTEXT]
         cells = [f"{h_q}/{h_kv}",
                  f"{median(contiguous):.2f}x" if contiguous else "-",
                  f"{ratios[lowest]:.2f}x ({_shape_name(lowest)})" if lowest else "-",
@@ -272,9 +278,12 @@ def summary_table(rows: list[dict], number: int, long_from: int = 32 * 1024) -> 
         for many in (False, True):
             shares = [r for r in long if r["kernel"] == ours and "copy_fraction" in r and (r["shape"]["batch"] > 1) == many]
             low = min(shares, key=lambda r: r["copy_fraction"], default=None)
-            cudnn = low and by_key.get((BASELINE, replace(decode_shape(low), paged=False).label))
-            cells.append("-" if low is None else f"{100 * low['copy_fraction']:.0f}% ({_shape_name(decode_shape(low))}"
-                         + (f"; cuDNN {100 * cudnn['copy_fraction']:.0f}%)" if cudnn and "copy_fraction" in cudnn else ")"))
+            if low is None:
+                cells.append("-")
+                continue
+            cudnn = _cudnn_row(by_key, decode_shape(low))
+            beside = f"; cuDNN {100 * cudnn['copy_fraction']:.0f}%" if cudnn and "copy_fraction" in cudnn else ""
+            cells.append(f"{100 * low['copy_fraction']:.0f}% ({_shape_name(decode_shape(low))}{beside})")
         cells += [_span([r["speedup_vs_fp16"] for r in long if r["kernel"] == fp8 and "speedup_vs_fp16" in r
                          and (r["shape"]["batch"] > 1) == many], "{:.2f}", "x") for many in (False, True)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -295,7 +304,8 @@ def groupings_section(rows: list[dict], number: int, images: str) -> list[str]:
     lines = [text, "", f"![Decode: GB/s against the context length, per head grouping and batch size]"
                        f"({images}/{GROUPINGS_PLOT})"]
     lines += ["", f"**Per grouping**: stage {number}'s ratio to cuDNN over the tables' shapes, the largest lead of a "
-                  "contiguous row over the paged row of the same shape, and from L = 32k on its lowest share of "
+                  f"contiguous row over the paged row of the same shape, and from L = {_seqlen(LONG_CONTEXT)} on its "
+                  "lowest share of "
                   "the device-to-device copy bandwidth (the copy's read + write GB/s, measured in the same run; "
                   "cuDNN's share on the same shape beside it) and the FP8 cache's speed-up in tokens/s over the "
                   "16-bit cache.", "", *summary_table(rows, number)]
