@@ -22,7 +22,8 @@ help:  ## this list
 status: $(READY)  ## the table of stages: TODOs left, sm_90a cross-compile; on a Hopper GPU numerics and speed
 	$(BIN)/python -m course status
 
-test: $(READY)  ## the whole test suite (GPU tests run on Hopper and are skipped with the reason elsewhere)
+test: $(READY)  ## lint (ruff), then the whole test suite (GPU tests run on Hopper, skipped with the reason elsewhere)
+	$(BIN)/ruff check course solutions tests docs/hooks
 	$(BIN)/python -m pytest
 
 docs: $(READY)  ## serve the docs site at http://127.0.0.1:8000, rebuilt on every change

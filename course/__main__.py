@@ -1,6 +1,6 @@
 """The course command line: ``python -m course COMMAND``.
 
-Commands: status, check N, reset N, bench, model-bench, sanitize, sass N, notebooks, skeletons, diffs.
+Commands: status, check N, reset N, bench, model-bench, host-bench, sanitize, sass N, notebooks, skeletons, diffs.
 
 Run ``python -m course COMMAND --help`` for what a command does and its options.
 """
@@ -88,6 +88,14 @@ def parser() -> argparse.ArgumentParser:
     model_bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
     model_bench.add_argument("--repeats", type=int, default=10)
     model_bench.add_argument("--render", action="store_true", help="only rewrite models.md from models.json")
+
+    host_bench = sub.add_parser("host-bench", help="what one call costs the host, next to SDPA cuDNN (needs a "
+                                "Hopper GPU)", description="Time the host's part of one eager call of the final "
+                                "prefill and decode kernels (and their ops) next to PyTorch SDPA's cuDNN backend, "
+                                "and back-to-back eager calls; write host.json and host.md.")
+    host_bench.add_argument("--out", default=None, help="folder for host.json/.md (default: docs/results)")
+    host_bench.add_argument("--impl", choices=stages.IMPLS, default="solutions")
+    host_bench.add_argument("--render", action="store_true", help="only rewrite host.md from host.json")
 
     sanitize = sub.add_parser("sanitize", help="run the stages' kernels under compute-sanitizer (Hopper GPU)",
                               description="Small launches of each stage's kernels under compute-sanitizer's "
@@ -183,6 +191,16 @@ def main(argv=None) -> int:
             print(f"wrote {model_bench.MODELS_MD} in {out_dir}")
         else:
             model_bench.run(out_dir=out_dir, impl=args.impl, repeats=args.repeats)
+        return 0
+    if args.command == "host-bench":
+        from course import host_bench
+
+        out_dir = args.out or host_bench.DEFAULT_OUT
+        if args.render:
+            host_bench.render(out_dir)
+            print(f"wrote {host_bench.HOST_MD} in {out_dir}")
+        else:
+            host_bench.run(out_dir=out_dir, impl=args.impl)
         return 0
     if args.command == "sanitize":
         from course import sanitize as sanitize_mod

@@ -234,17 +234,17 @@ def time_prefill_shape(shape: PrefillShape, kernels: dict, repeats: int) -> list
 
     from course import testing
 
-    q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
-                                 shape.head_dim, getattr(torch, shape.dtype))
+    qkv = list(testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
+                                  shape.head_dim, getattr(torch, shape.dtype)))
     features = kernel_features(shape, shape.heads)
-    calls = runnable({name: lambda fn=fn: fn(q, k, v, **features) for name, (_, fn) in kernels.items()}, shape.label)
+    calls = runnable({name: partial(fn, *qkv, **features) for name, (_, fn) in kernels.items()}, shape.label)
     rows = []
     for name, ms in time_in_rounds(calls, repeats=repeats).items():
         rows.append({"stage": kernels[name][0], "kernel": name, "shape": asdict(shape), "label": shape.label,
                      "ms": ms, "tflops": shape.flops / ms / 1e9, "gbps": shape.bytes_moved / ms / 1e6})
         print(f"  {name:>20} {shape.label}: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s, "
               f"{rows[-1]['gbps']:.0f} GB/s")
-    del q, k, v
+    del calls, qkv
     torch.cuda.empty_cache()
     return rows
 
@@ -373,7 +373,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
 
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    ms = time_cuda(lambda: dst.copy_(src), repeats=repeats)
+    ms = time_cuda(partial(dst.copy_, src), repeats=repeats)
     del src, dst
     return 2 * nbytes / ms / 1e6
 

@@ -6,10 +6,13 @@
 Two models with GPT-OSS-20b's layer shapes and random weights (model weights are not downloaded here):
 GPT-OSS itself (64 query heads over 8 KV heads, head dim 64, sink logits, 128-token windows on every
 other layer, 4 experts per token, hidden size 2880, its 201k vocabulary) with 8 layers instead of 24,
-and a Llama with the same attention shapes and no sinks or windows. In bfloat16, as transformers
-runs them eagerly: the whole forward is timed, Python and every layer included, with CUDA events
-after warm-up (the median of ``repeats`` runs). Prefill is one forward over a prompt of B=1 into a
-fresh cache; decode is the time per token of ``DECODE_STEPS`` one-token steps after a prompt.
+and a Llama with the same attention shapes and no sinks or windows. In bfloat16: the whole forward
+is timed, Python and every layer included, with CUDA events after warm-up (the median of
+``repeats`` runs). Prefill is one forward over a prompt of B=1 into a fresh cache; decode is the time
+per token of ``DECODE_STEPS`` one-token steps after a prompt, at B=1 and B=8, run two ways: eagerly
+over a DynamicCache (as ``generate`` does by default), and over a StaticCache with the forward
+compiled by ``torch.compile(mode="reduce-overhead")``, whose CUDA graphs replay each step (as
+``generate(..., cache_implementation="static")`` does).
 
 Each backend transformers refuses for a model (GPT-OSS has no SDPA path: SDPA cannot add its sinks),
 or that runs out of memory, is a row that says so. Never edit the outputs by hand.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 from course import bench
@@ -30,6 +34,11 @@ BACKENDS = ("course", "sdpa", "eager")
 PROMPTS = (1024, 4096)
 DECODE_PROMPT = 4096
 DECODE_STEPS = 32
+DECODE_BATCHES = (1, 8)
+MODES = ("eager", "static+compile")
+# The backends whose compiled decode step is timed (a compile each): the course's and the fastest
+# other one transformers runs for the model.
+STATIC_BACKENDS = {"gpt-oss": ("course", "eager"), "llama": ("course", "sdpa")}
 TITLES = {"gpt-oss": "GPT-OSS, 8 layers", "llama": "Llama, same attention"}
 
 
@@ -49,18 +58,47 @@ def time_prefill(model, ids, repeats: int) -> float:
 
 
 def time_decode(model, prompt_ids, step_ids, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds per token of one-token steps (``step_ids`` [B, steps]) after ``prompt_ids``."""
+    """Median milliseconds per token of one-token steps (``step_ids`` [B, steps]) after ``prompt_ids``,
+    run eagerly over a DynamicCache."""
+    import transformers
+
+    return _per_token(lambda: transformers.DynamicCache(config=model.config), model, model, prompt_ids, step_ids,
+                      repeats, warmup)
+
+
+def time_decode_static(model, prompt_ids, step_ids, repeats: int, warmup: int = 2) -> float:
+    """Like ``time_decode``, over a StaticCache, the steps run by ``torch.compile(mode="reduce-overhead")``
+    (CUDA-graph trees: after the first steps, each is a graph replay); the prompt runs eagerly."""
     import torch
     import transformers
 
+    torch._dynamo.reset()  # a graph of its own for this model, backend and batch
+    # Not fullgraph, as generate() compiles: GPT-OSS's experts route tokens with data-dependent shapes.
+    compiled = torch.compile(model, mode="reduce-overhead")
+    length = prompt_ids.shape[1] + step_ids.shape[1]
+    cache = transformers.StaticCache(config=model.config, max_cache_len=length)
+
+    def fresh():
+        cache.reset()
+        return cache
+
+    return _per_token(fresh, model, compiled, prompt_ids, step_ids, repeats, warmup)
+
+
+def _per_token(make_cache, prefill, step, prompt_ids, step_ids, repeats: int, warmup: int) -> float:
+    import torch
+
     per_token = []
+    prompt = prompt_ids.shape[1]
     for _ in range(warmup + repeats):
-        cache = transformers.DynamicCache(config=model.config)
-        model(prompt_ids, past_key_values=cache, use_cache=True)
+        cache = make_cache()
+        prefill(prompt_ids, past_key_values=cache, use_cache=True)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for i in range(step_ids.shape[1]):
-            model(step_ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+            position = torch.full((1,), prompt + i, device=step_ids.device)
+            step(step_ids[:, i:i + 1], past_key_values=cache, use_cache=True, cache_position=position,
+                 position_ids=position[None].expand(step_ids.shape[0], 1))
         end.record()
         torch.cuda.synchronize()
         per_token.append(start.elapsed_time(end) / step_ids.shape[1])
@@ -68,18 +106,21 @@ def time_decode(model, prompt_ids, step_ids, repeats: int, warmup: int = 2) -> f
 
 
 def measurements(model, vocab_size: int, repeats: int):
-    """(phase, tokens, fn() -> ms) for every timing of one model with its current attention backend."""
+    """(phase, batch, tokens, mode, fn() -> ms) for every timing of one model with its current backend."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def ids(length):
-        return torch.randint(0, vocab_size, (1, length), generator=gen, device="cuda")
+    def ids(batch, length):
+        return torch.randint(0, vocab_size, (batch, length), generator=gen, device="cuda")
 
     for tokens in PROMPTS:
-        yield "prefill", tokens, lambda prompt=ids(tokens): time_prefill(model, prompt, repeats)
-    prompt, steps = ids(DECODE_PROMPT), ids(DECODE_STEPS)
-    yield "decode", DECODE_PROMPT, lambda: time_decode(model, prompt, steps, repeats)
+        yield "prefill", 1, tokens, "eager", partial(time_prefill, model, ids(1, tokens), repeats)
+    for batch in DECODE_BATCHES:
+        prompt, steps = ids(batch, DECODE_PROMPT), ids(batch, DECODE_STEPS)
+        yield "decode", batch, DECODE_PROMPT, "eager", partial(time_decode, model, prompt, steps, repeats)
+        yield ("decode", batch, DECODE_PROMPT, "static+compile",
+               partial(time_decode_static, model, prompt, steps, repeats))
 
 
 def bench_model(name: str, config, repeats: int) -> list[dict]:
@@ -96,17 +137,21 @@ def bench_model(name: str, config, repeats: int) -> list[dict]:
         except (ValueError, ImportError) as error:
             rows.append({**base, "error": f"transformers refuses it: {str(error).splitlines()[0]}"})
             continue
-        for phase, tokens, measure in measurements(model, config.vocab_size, repeats):
-            row = {**base, "phase": phase, "batch": 1, "tokens": tokens}
+        for phase, batch, tokens, mode, measure in measurements(model, config.vocab_size, repeats):
+            if mode == "static+compile" and backend not in STATIC_BACKENDS[name]:
+                continue
+            row = {**base, "phase": phase, "batch": batch, "tokens": tokens, "mode": mode}
             try:
                 with torch.no_grad():
                     row["ms"] = measure()
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "out of memory"
                 torch.cuda.empty_cache()
+            except Exception as error:  # a failure is a row of the table: the other measurements go on
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
             rows.append(row)
             outcome = f"{row['ms']:.2f} ms" if "ms" in row else row["error"]
-            print(f"  {name} {backend:>6} {phase:>7} {tokens:>5} tokens: {outcome}")
+            print(f"  {name} {backend:>6} {_what(row, DECODE_STEPS)}: {outcome}", flush=True)
     del model
     torch.cuda.empty_cache()
     return rows
@@ -153,8 +198,14 @@ def _cell(rows: list[dict], backend: str) -> str:
     return f"{row['ms']:.2f}" if "ms" in row else row["error"]
 
 
-def _phase(phase: str, tokens: int, steps: int) -> str:
-    return f"prefill, {tokens} tokens" if phase == "prefill" else f"decode, {steps} steps after {tokens} tokens"
+def _what(row: dict, steps: int) -> str:
+    if row["phase"] == "prefill":
+        return f"prefill, {row['tokens']} tokens"
+    return f"decode B={row['batch']}, {steps} steps after {row['tokens']} tokens, {row.get('mode', 'eager')}"
+
+
+def _key(row: dict) -> tuple:
+    return row["phase"], row["batch"], row["tokens"], row.get("mode", "eager")
 
 
 def table(results: dict | None) -> str:
@@ -168,18 +219,21 @@ def table(results: dict | None) -> str:
     lines += [f"Measured on {env['gpu']} (driver {env['driver']}), PyTorch {env['torch']}, transformers "
               f"{env['transformers']}, nvidia-cutlass-dsl {env['nvidia_cutlass_dsl']}, {env['date']}; the course "
               f"backend on prefill stage {env['course']['prefill']} and decode stage {env['course']['decode']} "
-              f"({env['course']['impl']}). Milliseconds, bfloat16, batch 1; decode is per token.", ""]
+              f"({env['course']['impl']}). Milliseconds, bfloat16; decode is per token, eager (DynamicCache) or "
+              "static+compile (StaticCache, CUDA graphs). The last columns: how much faster the course backend "
+              "is than each other backend (above 1: faster).", ""]
     refused = [r for r in rows if "phase" not in r]
     measured = [r for r in rows if "phase" in r]
-    lines += ["| model | what | " + " | ".join(BACKENDS) + " | course vs eager |",
-              "|---|---|" + "---:|" * (len(BACKENDS) + 1)]
-    for key in dict.fromkeys((r["model"], r["phase"], r["tokens"]) for r in measured):
-        same = [r for r in measured if (r["model"], r["phase"], r["tokens"]) == key]
-        ours, eager = (next((r.get("ms") for r in same if r["backend"] == b), None) for b in ("course", "eager"))
+    others = [b for b in BACKENDS if b != "course"]
+    lines += ["| model | what | " + " | ".join(BACKENDS) + " | " + " | ".join(f"course vs {b}" for b in others)
+              + " |", "|---|---|" + "---:|" * (len(BACKENDS) + len(others))]
+    for model, key in dict.fromkeys((r["model"], _key(r)) for r in measured):
+        same = [r for r in measured if (r["model"], _key(r)) == (model, key)]
+        ms = {b: next((r.get("ms") for r in same if r["backend"] == b), None) for b in BACKENDS}
         cells = [_cell(same, backend) for backend in BACKENDS]
-        speedup = f"{eager / ours:.2f}x" if ours and eager else "-"
-        lines.append(f"| {TITLES[key[0]]} | {_phase(key[1], key[2], results['decode_steps'])} | "
-                     + " | ".join(cells) + f" | {speedup} |")
+        ratios = [f"{ms[b] / ms['course']:.2f}x" if ms["course"] and ms[b] else "-" for b in others]
+        lines.append(f"| {TITLES[model]} | {_what(same[0], results['decode_steps'])} | " + " | ".join(cells)
+                     + " | " + " | ".join(ratios) + " |")
     lines += ["", *(f"- {TITLES[r['model']]}, {r['backend']}: {r['error']}" for r in refused)]
     if measured:
         lines += ["", f"![Prefill and decode time of each model and attention backend](results/{MODELS_PNG})"]
@@ -196,24 +250,29 @@ def render(results_dir: Path | str = DEFAULT_OUT) -> str:
 
 
 def figure(results: dict):
-    """One panel per (phase, tokens): milliseconds of each model on each backend that ran."""
+    """One panel per measurement (phase, batch, prompt, mode): milliseconds of each model on each backend
+    that ran; four panels a row."""
     import matplotlib.pyplot as plt
 
     measured = [r for r in results["rows"] if "ms" in r]
-    panels = list(dict.fromkeys((r["phase"], r["tokens"]) for r in measured))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (phase, tokens) in zip(axes[0], panels):
+    panels = list(dict.fromkeys(_key(r) for r in measured))
+    columns = min(4, len(panels))
+    rows_of_panels = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4 * columns, 3.4 * rows_of_panels), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    for ax, key in zip(axes.flat, panels):
         names = list(TITLES)
         for i, backend in enumerate(BACKENDS):
-            values = [next((r["ms"] for r in measured if (r["model"], r["backend"], r["phase"], r["tokens"])
-                            == (name, backend, phase, tokens)), 0) for name in names]
+            values = [next((r["ms"] for r in measured if (r["model"], r["backend"], _key(r)) == (name, backend, key)),
+                           0) for name in names]
             ax.bar([x + 0.27 * i for x in range(len(names))], values, 0.27, label=backend)
         ax.set_xticks([x + 0.27 for x in range(len(names))], [TITLES[n] for n in names], fontsize=8)
-        ax.set_title(_phase(phase, tokens, results["decode_steps"]), fontsize=9)
-        ax.set_ylabel("ms per token" if phase == "decode" else "ms")
+        example = next(r for r in measured if _key(r) == key)
+        ax.set_title(_what(example, results["decode_steps"]).replace(", static", ",\nstatic"), fontsize=9)
+        ax.set_ylabel("ms per token" if key[0] == "decode" else "ms")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"End to end on {results['environment']['gpu']} (bfloat16, batch 1; no bar: not run, see the table)",
+    fig.suptitle(f"End to end on {results['environment']['gpu']} (bfloat16; no bar: not run, see the table)",
                  fontsize=10)
     fig.tight_layout()
     return fig
-

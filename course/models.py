@@ -51,7 +51,7 @@ except ImportError as error:  # the optional extra
     raise ImportError("course.models needs transformers: pip install -e '.[models]' "
                       "(the version this course is tested with, transformers==5.23.0)") from error
 
-from course import ops, testing
+from course import testing
 
 NAME = "course"
 
@@ -68,21 +68,22 @@ OTHER_BACKENDS = "use attn_implementation='eager' or 'sdpa' for it"
 # --8<-- [start:mask]
 def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
                        allow_is_causal_skip=True, use_vmap=False, device=None, **kwargs):
-    """The backend's "mask": None when all ``kv_length`` keys the cache returns are real, else the number
-    of real keys (int32 [B]), which is the decode kernel's ``cache_seqlens``.
+    """The backend's "mask": the number of real keys per sequence (int32 [B]), which is the decode
+    kernel's ``cache_seqlens``, or None for a prompt whose keys are all real.
 
     transformers calls it once per forward and mask type (full, sliding) with
     the cache's sizes: ``q_offset`` tokens were cached before this forward, and
     the keys returned start at token ``kv_offset``. A StaticCache has slots
     past the real keys (its ``q_offset`` is a tensor: the count stays on the
-    GPU, so a CUDA graph of a decode step replays with the right lengths).
+    GPU, so a CUDA graph of a decode step replays with the right lengths). A
+    decode step always gets the counts, made here once for every layer.
     """
     reject_masks(q_length, attention_mask, allow_is_causal_skip, use_vmap)
     real = q_offset + q_length - kv_offset
     if not isinstance(real, torch.Tensor):
-        if real == kv_length:
+        if real == kv_length and q_length > 1:
             return None
-        real = torch.tensor(real)
+        return torch.full((batch_size,), min(real, kv_length), dtype=torch.int32, device=device)
     return torch.clamp(real, max=kv_length).to(device=device, dtype=torch.int32).expand(batch_size).contiguous()
 # --8<-- [end:mask]
 
@@ -142,7 +143,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def decode(q, k, v, key_counts, **features):
-    """One query token per sequence against the cache: ``course::decode_attention``."""
+    """One query token per sequence against the cache: ``course::decode_attention``. ``key_counts``: the
+    real keys per sequence (``visible_key_counts``); None (a caller without transformers' mask): all."""
     if key_counts is None:
         key_counts = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
     return torch.ops.course.decode_attention(q, k, v, key_counts, check_lengths=False, **features)

@@ -10,7 +10,8 @@ Which code backs the ops is one setting, ``use_stages``:
 
 - ``prefill``: the prefill stage (``attention`` on [B, S, H, D]); by default
   the final prefill kernel, stage 8 (FA3-class).
-- ``decode``: the decode stage (``decode_attention``), stage 7.
+- ``decode``: the decode stage (``decode_attention``); by default the final decode kernel, stage 9
+  (tensor cores, and an FP8 cache with ``k_scale``/``v_scale``).
 - ``impl``: ``"solutions"`` (the reference solutions), ``"stages"`` (your
   code), or ``"reference"``: course/reference.py in float64, after the
   kernels' own input validation (all but the device check), so that a CPU can
@@ -24,14 +25,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
 from course import reference, stages, validation
 
 PREFILL_STAGE = 8  # the final prefill kernel (FA3-class)
-DECODE_STAGE = 7
+DECODE_STAGE = 9  # the final decode kernel (tensor cores, FP8 cache)
 IMPLS = (*stages.IMPLS, "reference")
 
 
@@ -64,10 +64,11 @@ def use_stages(prefill: int | None = None, decode: int | None = None, impl: str 
 
     The choice is read at every call, so it also applies to models compiled before it.
     """
-    global _backing
+    global _backing, _functions
     changes = {name: value for name, value in (("prefill", prefill), ("decode", decode), ("impl", impl))
                if value is not None}
     _backing = _checked(replace(_backing, **changes))
+    _functions = None
     return _backing
 
 
@@ -89,74 +90,108 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window_siz
 
 def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                                window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
-                               check_lengths=True):
-    """course.reference.decode_attention on inputs the decode kernel accepts; O in q's dtype."""
+                               check_lengths=None, k_scale=None, v_scale=None):
+    """course.reference.decode_attention on inputs the decode kernel accepts; O in q's dtype.
+
+    The lengths (and scales) are on the host anyway: they are checked unless ``check_lengths=False``.
+    """
     shape = validation.check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                            softmax_scale=softmax_scale, window_size_left=window_size_left,
                                            sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
-                                           num_splits=num_splits)
-    if check_lengths:
+                                           num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
+                                           stage=_backing.decode)
+    if check_lengths is not False:
         validation.check_decode_lengths(cache_seqlens, block_table, shape)
+        validation.check_kv_scale_values(k_scale, v_scale)
     return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                       softmax_scale=softmax_scale, window_size_left=window_size_left,
-                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens).to(q.dtype)
+                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, k_scale=k_scale,
+                                      v_scale=v_scale).to(q.dtype)
+
+
+_functions = None  # (prefill, decode) of the current backing, resolved at the first call after a change
+
+
+def _resolve():
+    global _functions
+    if _backing.impl == "reference":
+        _functions = reference_attention, reference_decode_attention
+    else:
+        _functions = (stages.get(_backing.prefill).load(_backing.impl).attention,
+                      stages.get(_backing.decode).load(_backing.impl).decode_attention)
+    return _functions
 
 
 def prefill_function():
     """The ``attention`` function the setting picks."""
-    if _backing.impl == "reference":
-        return reference_attention
-    return stages.get(_backing.prefill).load(_backing.impl).attention
+    return (_functions or _resolve())[0]
 
 
 def decode_function():
     """The ``decode_attention`` function the setting picks."""
-    if _backing.impl == "reference":
-        return reference_decode_attention
-    return stages.get(_backing.decode).load(_backing.impl).decode_attention
+    return (_functions or _resolve())[1]
 
 
 # ---------------------------------------------------------------- the ops
 
+# Defined with torch.library's low-level API (a schema and a kernel per op): a call goes from the
+# dispatcher straight to the Python function, which costs the host less than torch.library.custom_op's
+# wrapper (course host-bench measures what each call costs).
+_LIBRARY = torch.library.Library("course", "DEF")
+
 # --8<-- [start:attention_op]
-@torch.library.custom_op("course::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink_logits: Optional[torch.Tensor] = None,
-              softmax_scale: Optional[float] = None, causal: bool = False, window_size_left: int = -1,
-              window_size_right: int = -1, num_sink_tokens: int = 0) -> torch.Tensor:
+_LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, Tensor? sink_logits=None, float? softmax_scale=None, "
+                "bool causal=False, int window_size_left=-1, int window_size_right=-1, int num_sink_tokens=0) "
+                "-> Tensor")
+
+
+def attention(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
+              window_size_right=-1, num_sink_tokens=0):
     """Prefill attention (docs/contract.md) on [B, S, H, D]: O [B, S_q, H_q, D], a new contiguous tensor."""
     return prefill_function()(q, k, v, softmax_scale=softmax_scale, causal=causal,
                               window_size=(window_size_left, window_size_right), sink_logits=sink_logits,
                               num_sink_tokens=num_sink_tokens)
 
 
-@attention.register_fake
+@torch.library.register_fake("course::attention")
 def _attention_fake(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
                     window_size_right=-1, num_sink_tokens=0):
     return q.new_empty(q.shape)
 # --8<-- [end:attention_op]
 
 
-@torch.library.custom_op("course::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                     block_table: Optional[torch.Tensor] = None, sink_logits: Optional[torch.Tensor] = None,
-                     softmax_scale: Optional[float] = None, window_size_left: int = -1, num_sink_tokens: int = 0,
-                     num_splits: int = 0, check_lengths: bool = True) -> torch.Tensor:
+_LIBRARY.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
+                "Tensor? block_table=None, Tensor? sink_logits=None, float? softmax_scale=None, "
+                "int window_size_left=-1, int num_sink_tokens=0, int num_splits=0, bool? check_lengths=None, "
+                "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None, softmax_scale=None,
+                     window_size_left=-1, num_sink_tokens=0, num_splits=0, check_lengths=None, k_scale=None,
+                     v_scale=None):
     """Decode attention (docs/contract.md): one query token per sequence, O [B, H_q, D].
 
-    ``check_lengths=False`` skips reading cache_seqlens on the host (a
-    device-to-host copy); a caller that built the lengths itself passes it.
+    ``check_lengths``: as the stage's ``decode_attention`` (``None``: only
+    with ``COURSE_CHECK_LENGTHS=1``, as reading the lengths on the host waits
+    for the GPU). An FP8 cache comes with ``k_scale`` and ``v_scale`` (stage 9).
     """
+    scales = {} if k_scale is None and v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     return decode_function()(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                              softmax_scale=softmax_scale, window_size_left=window_size_left,
                              sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, num_splits=num_splits,
-                             check_lengths=check_lengths)
+                             check_lengths=check_lengths, **scales)
 
 
-@decode_attention.register_fake
+@torch.library.register_fake("course::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None,
                            softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
-                           check_lengths=True):
+                           check_lengths=None, k_scale=None, v_scale=None):
     return q.new_empty(q.shape)
+
+
+# One kernel for every device: the stage's own checks say what a CPU tensor may and may not do.
+_LIBRARY.impl("attention", attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
 
 
 def _no_backward(op_name: str):

@@ -16,7 +16,13 @@ import math
 from dataclasses import dataclass
 
 from course import launch, validation
-from course.compile import CompileReport, cross_compile, cute_dtype, fake_attention_tensors, symbolic_tensor
+from course.compile import (
+    CompileReport,
+    cross_compile,
+    cute_dtype,
+    fake_attention_tensors,
+    symbolic_tensor,
+)
 
 LOG2_E = math.log2(math.e)
 DTYPES = ("float16", "bfloat16")
@@ -105,6 +111,9 @@ def kernel_window(causal, window_size, num_sink_tokens: int, shape: validation.A
     return min(left, shape.seqlen_k), min(right, shape.seqlen_q), min(num_sink_tokens, shape.seqlen_k)
 
 
+_PLANS: dict = {}
+
+
 def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
               sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
     """Validate, compile once per configuration (cached), launch ``kernel_class``; return O (and LSE).
@@ -112,6 +121,23 @@ def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=F
     ``stage`` names the stage whose features are available: a later stage's
     feature raises NotImplementedError naming that stage. ``out`` (optional)
     receives O; tests pass a NaN-poisoned buffer to prove every element is written.
+    The first call of a signature (``launch.signature``: shapes, strides,
+    dtypes, options) validates and plans; later ones only launch.
+    """
+    key = (kernel_class, *launch.signature(q, k, v, sink_logits, out, softmax_scale, causal, window_size,
+                                           num_sink_tokens, return_lse))
+    run = launch.cached_plan(_PLANS, key, lambda: plan_attention(
+        stage, kernel_class, q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out))
+    return run(q, k, v, sink_logits, out)
+
+
+def plan_attention(stage: int, kernel_class, q, k, v, *, softmax_scale, causal, window_size, sink_logits,
+                   num_sink_tokens, return_lse, out):
+    """Everything ``attention`` does that depends only on the call's signature: validation, the kernel
+    configuration and its compile, the placeholders and the kernel's scalar arguments.
+
+    Returns ``run(q, k, v, sink_logits, out)``, which allocates the outputs and launches.
     """
     import torch
 
@@ -129,11 +155,18 @@ def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=F
     config = KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                           sink_logits is not None, left >= 0 and num_sink_tokens > 0, bool(return_lse))
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
-    if out is None:
-        out = q.new_empty(q.shape)
-    lse = (torch.empty(shape.batch, shape.heads_q, shape.seqlen_q, device=q.device, dtype=torch.float32)
-           if return_lse else launch.placeholder(q.device, (1, 1, 1)))
-    sinks = sink_logits if sink_logits is not None else launch.placeholder(q.device, (shape.heads_q,))
+    device = q.device
+    lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
+    no_lse = launch.placeholder(device, (1, 1, 1))
+    no_sinks = launch.placeholder(device, (shape.heads_q,))
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
-    kernel(q, k, v, out, lse, sinks, scale_log2, left, right, num_sink_tokens)
-    return (out, lse) if return_lse else out
+
+    def run(q, k, v, sink_logits, out):
+        if out is None:
+            out = q.new_empty(q.shape)
+        lse = torch.empty(lse_shape, device=device, dtype=torch.float32) if return_lse else no_lse
+        kernel(q, k, v, out, lse, no_sinks if sink_logits is None else sink_logits, scale_log2, left, right,
+               num_sink_tokens)
+        return (out, lse) if return_lse else out
+
+    return run

@@ -127,7 +127,7 @@ def _is_int32(value, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= INT32_MAX
 
 
-def _check_int32(name: str, value, *, minimum: int) -> None:
+def check_int32(name: str, value, *, minimum: int) -> None:
     """An int option the kernels take as a 32-bit int: from ``minimum`` to 2**31 - 1."""
     if not _is_int32(value, minimum):
         raise ValueError(f"{name} must be an int from {minimum} to {INT32_MAX} (a 32-bit int); got {value!r}")
@@ -188,7 +188,7 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_
             and all(_is_int32(w, -1) for w in window_size)):
         raise ValueError(f"window_size must be a pair (left, right) of ints from -1 to {INT32_MAX} (-1 = unbounded); "
                          f"got {window_size!r}")
-    _check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
+    check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
     _check_sink_logits(sink_logits, h_q)
     if out is not None:
         _check_out(out, q, "q", layout=bshd)
@@ -359,9 +359,9 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
                              f"supported: {', '.join(map(str, page_sizes))}")
         capacity = block_table.shape[1] * page_size
     _check_softmax_scale(softmax_scale)
-    _check_int32("window_size_left", window_size_left, minimum=-1)
-    _check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
-    _check_int32("num_splits", num_splits, minimum=0)
+    check_int32("window_size_left", window_size_left, minimum=-1)
+    check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
+    check_int32("num_splits", num_splits, minimum=0)
     _check_flag("return_lse", return_lse)
     _check_sink_logits(sink_logits, h_q)
     _check_kv_scales(k_scale, v_scale, fp8=fp8, cache_dtype=k_cache.dtype, heads_kv=h_kv)
@@ -416,6 +416,13 @@ def check_kv_scale_values(k_scale, v_scale) -> None:
         if len(bad):
             h = int(bad[0])
             raise ValueError(f"{name}[{h}] = {float(values[h])}; scales must be finite and > 0")
+
+
+def check_decode_values(cache_seqlens, block_table, shape: DecodeInputShape, k_scale=None, v_scale=None) -> None:
+    """The values a decode call's tensors hold: the lengths and pages (``check_decode_lengths``) and the
+    FP8 scales (``check_kv_scale_values``). Reads them on the host: a synchronization with the GPU."""
+    check_decode_lengths(cache_seqlens, block_table, shape)
+    check_kv_scale_values(k_scale, v_scale)
 
 
 def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) -> None:

@@ -308,12 +308,26 @@ def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_s
 # --8<-- [end:combine]
 
 
+@cute.jit
+def cache_row(v: Int32, v_end: Int32, n_sink: Int32, lo: Int32) -> Int32:
+    """The token position of visible key ``v``; past the split's end, the split's last key (a valid row)."""
+    v = cutlass.min(v, v_end - 1)
+    return Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
+
+
+@cute.jit
+def pool_page(page: Int32, num_pages: Int32) -> Int32:
+    """A block-table entry clamped to the pool: a wrong table reads a wrong page, never memory outside the
+    cache (the host reads the table only when asked: ``check_lengths``)."""
+    return cutlass.max(cutlass.min(page, num_pages - 1), Int32(0))
+
+
 class SplitKVDecode:
     """Grid (num_splits, H_kv x head chunks, B); one CTA = one split of one KV head's keys, all its query heads."""
 
     num_threads = NUM_THREADS
 
-    def __init__(self, config: "DecodeConfig"):
+    def __init__(self, config: DecodeConfig):
         self.dtype = config.cute_dtype
         self.head_dim = config.head_dim
         self.heads = config.heads
@@ -370,12 +384,6 @@ class SplitKVDecode:
 
     # --8<-- [start:key_row]
     @cute.jit
-    def cache_row(self, v: Int32, v_end: Int32, n_sink: Int32, lo: Int32) -> Int32:
-        """The token position of visible key ``v``; past the split's end, the split's last key (a valid row)."""
-        v = cutlass.min(v, v_end - 1)
-        return Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
-
-    @cute.jit
     def lookup_pages(self, r_page: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, first: Int32,
                      v_end: Int32, n_sink: Int32, lo: Int32):
         """Paged cache: ``r_page[u]``, the pool page that holds key first + u * groups, from the block table.
@@ -386,7 +394,7 @@ class SplitKVDecode:
         """
         if cutlass.const_expr(self.page_size != 0):
             for u in cutlass.range_constexpr(self.unroll):
-                row = self.cache_row(first + u * self.groups, v_end, n_sink, lo)
+                row = cache_row(first + u * self.groups, v_end, n_sink, lo)
                 r_page[u] = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
 
     @cute.jit
@@ -397,7 +405,8 @@ class SplitKVDecode:
         if cutlass.const_expr(self.page_size == 0):
             kv_row = mKV[page_or_batch, row, head_kv, None]
         else:
-            kv_row = mKV[page_or_batch, row & (self.page_size - 1), head_kv, None]  # row % page_size
+            page = pool_page(page_or_batch, mKV.shape[0])
+            kv_row = mKV[page, row & (self.page_size - 1), head_kv, None]  # row % page_size
         return cute.local_tile(kv_row, (VEC,), (lane,))
     # --8<-- [end:key_row]
 
@@ -416,7 +425,7 @@ class SplitKVDecode:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.dtype,
                                    num_bits_per_copy=128)
         for u in cutlass.range_constexpr(self.unroll):
-            row = self.cache_row(first + u * self.groups, v_end, n_sink, lo)
+            row = cache_row(first + u * self.groups, v_end, n_sink, lo)
             page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else r_page[u]
             cute.copy(atom, self.key_row(mK, page_or_batch, row, head_kv, lane), s_ring[stage, 0, u, tidx, None])
             cute.copy(atom, self.key_row(mV, page_or_batch, row, head_kv, lane), s_ring[stage, 1, u, tidx, None])
@@ -663,7 +672,6 @@ class DecodeConfig:
 
 def fake_decode_tensors(torch_dtype, head_dim: int, page_size: int):
     import torch
-
     from cutlass.cute.runtime import make_fake_tensor
 
     symbols: dict = {}
@@ -746,17 +754,42 @@ def auto_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads
 
 
 # --8<-- [start:api]
+_PLANS: dict = {}
+
+
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
-                     return_lse=False, out=None, check_lengths=True):
+                     return_lse=False, out=None, check_lengths=None):
     """One query token per sequence against its KV cache; the contract is docs/contract.md.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
     page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
     [B] int32. Returns o [B, H_q, D] (and lse [B, H_q] float32 with
-    return_lse). ``out`` (optional) receives O. ``check_lengths`` reads
-    cache_seqlens (and the block table) on the host to reject lengths beyond
-    the cache: one device-to-host copy, skipped inside CUDA graph capture.
+    return_lse). ``out`` (optional) receives O. ``check_lengths=True`` reads
+    cache_seqlens and the block table on the host (a synchronization) to
+    reject lengths beyond the cache and pages outside the pool; ``None``
+    follows ``COURSE_CHECK_LENGTHS`` (``launch.check_device_values``).
+    Unchecked, the kernel clamps lengths and pages to the cache.
+    """
+    key = launch.signature(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, out, softmax_scale,
+                           window_size_left, num_sink_tokens, num_splits, return_lse)
+    check = launch.check_device_values(check_lengths)
+    run = launch.cached_plan(_PLANS, key, lambda: plan_launch(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+        window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+        num_splits=num_splits, return_lse=return_lse, out=out, check_lengths=check))
+    if check:
+        validation.check_decode_values(cache_seqlens, block_table, run.shape)
+    return run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, out)
+
+
+def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scale, window_size_left, sink_logits,
+                num_sink_tokens, num_splits, return_lse, out, check_lengths):
+    """Everything ``decode_attention`` does that depends only on the call's signature: validation, the
+    split count, the kernel and its compile, placeholders, workspace sizes.
+
+    Returns ``run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits,
+    out)``, which allocates the outputs and workspace and launches.
     """
     import torch
 
@@ -765,8 +798,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
         window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
         num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
     )
-    if check_lengths and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        validation.check_decode_lengths(cache_seqlens, block_table, shape)
+    if check_lengths:  # values before devices, so that a CPU test reaches them (decode_attention checks again)
+        validation.check_decode_values(cache_seqlens, block_table, shape)
     validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                             block_table=block_table, sink_logits=sink_logits, out=out)
     device = q.device
@@ -778,24 +811,30 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
         num_splits = auto_num_splits(shape.batch, kv_ctas, max_keys,
                                      torch.cuda.get_device_properties(device).multi_processor_count, heads,
                                      shape.head_dim)
-    if out is None:
-        out = q.new_empty(q.shape)
-    lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None
-    part_o = torch.empty(shape.batch, shape.heads_q, num_splits, shape.head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(shape.batch, shape.heads_q, num_splits, dtype=torch.float32, device=device)
-    counters = launch.decode_counters(device, shape.batch * kv_ctas)
-    page_size = shape.page_size if block_table is not None else 0
-    has_sink = sink_logits is not None
-    config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, page_size, heads, has_sink,
+    config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim,
+                          shape.page_size if block_table is not None else 0, heads, sink_logits is not None,
                           bool(return_lse))
     kernel = launch.compiled((SplitKVDecode, config), lambda: kernel_and_args(config))
-    scale = validation.resolve_scale(softmax_scale, shape.head_dim)
-    kernel(q, k_cache, v_cache, cache_seqlens,
-           block_table if block_table is not None else launch.placeholder(device, (1, 1), torch.int32),
-           sink_logits if has_sink else launch.placeholder(device, (1,)),
-           out, lse if return_lse else launch.placeholder(device, (1, 1)),
-           part_o, part_lse, counters, scale * LOG2_E, window_size_left, num_sink_tokens)
-    return (out, lse) if return_lse else out
+    scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
+    no_table = launch.placeholder(device, (1, 1), torch.int32)
+    no_sink, no_lse = launch.placeholder(device, (1,)), launch.placeholder(device, (1, 1))
+    part_o_shape = (shape.batch, shape.heads_q, num_splits, shape.head_dim)
+    part_lse_shape, lse_shape = (shape.batch, shape.heads_q, num_splits), (shape.batch, shape.heads_q)
+    partials = launch.DecodePartials(device, part_o_shape, part_lse_shape)
+    num_counters = shape.batch * kv_ctas
+
+    def run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, out):
+        if out is None:
+            out = q.new_empty(q.shape)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if return_lse else no_lse
+        part_o, part_lse = partials.views()
+        kernel(q, k_cache, v_cache, cache_seqlens, no_table if block_table is None else block_table,
+               no_sink if sink_logits is None else sink_logits, out, lse, part_o, part_lse,
+               launch.decode_counters(device, num_counters), scale_log2, window_size_left, num_sink_tokens)
+        return (out, lse) if return_lse else out
+
+    run.shape = shape
+    return run
 # --8<-- [end:api]
 
 

@@ -61,7 +61,7 @@ for the next launch. What changes:
 
 Run it:
     python -m course check 9 --impl solutions   # this stage's tests
-    python solutions/stage09_tc_decode.py       # one launch against the reference (needs a Hopper GPU)
+    python -m solutions.stage09_tc_decode       # one launch against the reference (needs a Hopper GPU)
 """
 
 from __future__ import annotations
@@ -77,6 +77,19 @@ from cutlass.memory import SmemAllocator
 
 from course import launch, validation
 from course.compile import cross_compile, cute_dtype, symbolic_tensor
+
+# Stage 7's split-KV machinery, unchanged: the visible keys and their cache rows, a split's partial
+# result, the arrival on the counter, and folding partials (and the sink) into O.
+from .stage07_decode import (  # noqa: F401
+    arrive_and_elect_last,
+    cache_row,
+    finish_combine,
+    fold_in_split,
+    pool_page,
+    split_partial,
+    visible_key_range,
+    visible_keys_of,
+)
 
 STAGE = 9
 HEAD_DIMS = (64, 128, 256)
@@ -233,139 +246,6 @@ def workspace_slots(num_splits: int) -> int:
 # --8<-- [end:split_groups]
 
 
-def visible_keys_of(seqlen: int, window_size_left: int, num_sink_tokens: int) -> list[int]:
-    """The keys a query at position seqlen - 1 sees, in the order the kernel enumerates them."""
-    lo = max(0, seqlen - 1 - window_size_left) if window_size_left >= 0 else 0
-    return list(range(min(num_sink_tokens, lo))) + list(range(lo, seqlen))
-
-
-# --8<-- [start:key_range]
-@cute.jit
-def visible_key_range(seqlen: Int32, window_left: Int32, num_sink_tokens: Int32):
-    """(window start, sink keys before it, number of visible keys) for one sequence.
-
-    The query sits at position seqlen - 1 and sees keys [lo, seqlen), where lo
-    is 0 without a window; keys j < num_sink_tokens stay visible below lo. The
-    visible keys are enumerated as v = 0, 1, ...: first the n_sink sink keys,
-    then the window, so key(v) = v for v < n_sink and v - n_sink + lo after.
-    Keys outside the window are never touched, not even as masked loads.
-    """
-    lo = Int32(0)
-    if window_left >= 0:
-        lo = cutlass.max(seqlen - 1 - window_left, Int32(0))
-    n_sink = cutlass.min(num_sink_tokens, lo)
-    return lo, n_sink, n_sink + seqlen - lo
-# --8<-- [end:key_range]
-
-
-# --8<-- [start:partial]
-@cute.jit
-def split_partial(maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor, h: Int32, quad: Int32,
-                  o: cute.Tensor) -> Float32:
-    """Merge the thread groups' states for head h into the split's O (4 columns) and LSE.
-
-    ``maxes[g, h]``, ``sums[g, h]``, ``accs[g, h, d]`` hold group g's running
-    max (log2 units), sum and unnormalized O. ``o`` receives columns
-    4 * quad .. 4 * quad + 3 of O, normalized by the split's own sum. Returns
-    the split's LSE in log2 units (-inf, and O = 0, when the split saw no key).
-    """
-    num_groups = cute.size(maxes, mode=[0])
-    part = cute.make_rmem_tensor((4,), Float32)
-    # [exercise 7] The split's statistics: M = max over groups of maxes[g, h] (cute.arch.fmax; 0 if -inf); w_g = cute.math.exp2(maxes[g, h] - M, fastmath=True); L = sum w_g * sums[g, h]; o = sum w_g * (group g's 4 columns: cute.autovec_copy(cute.local_tile(accs[g, h, None], (4,), (quad,)), part)). Then o *= 1 / L; return M + cute.math.log2(L, fastmath=True); when L == 0: o = 0 and -inf (cutlass.select_).
-    big = -Float32.inf
-    for g in cutlass.range_constexpr(num_groups):
-        big = cute.arch.fmax(big, maxes[g, h])
-    big = Float32(cutlass.select_(big == -Float32.inf, Float32(0.0), big))
-    total = Float32(0.0)
-    o.fill(0.0)
-    for g in cutlass.range_constexpr(num_groups):
-        w = cute.math.exp2(maxes[g, h] - big, fastmath=True)
-        total = total + w * sums[g, h]
-        cute.autovec_copy(cute.local_tile(accs[g, h, None], (4,), (quad,)), part)
-        for i in cutlass.range_constexpr(4):
-            o[i] = o[i] + w * part[i]
-    empty = total == Float32(0.0)
-    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / total))
-    for i in cutlass.range_constexpr(4):
-        o[i] = o[i] * inv_total
-    lse = Float32(cutlass.select_(empty, -Float32.inf, big + cute.math.log2(total, fastmath=True)))
-    # [/exercise]
-    return lse
-# --8<-- [end:partial]
-
-
-# --8<-- [start:arrive]
-@cute.jit
-def arrive_and_elect_last(counter: cute.Pointer, num_splits: Int32, s_flag: cute.Tensor) -> Int32:
-    """Count this CTA's split as done; return 1 in every thread of the CTA that finished last.
-
-    Call it after every thread has stored its part of the split's partial.
-    The partials of all splits must be visible to the last CTA before it reads
-    them: the barrier orders this CTA's stores before thread 0's atomic, whose
-    release half publishes them at gpu scope, and the atomic of the last
-    arriver also acquires every earlier CTA's release.
-    """
-    tidx, _, _ = cute.arch.thread_idx()
-    cute.arch.sync_threads()  # every thread's partial stores happen before thread 0's release
-    if tidx == 0:
-        # [exercise 7] Thread 0: the atomic add of 1 on the counter, cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu"); it returns the count before; store 1 in s_flag[0] if this CTA is the last (old count == num_splits - 1), else 0.
-        arrived_before = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-        is_last = arrived_before == num_splits - 1
-        s_flag[0] = Int32(cutlass.select_(is_last, Int32(1), Int32(0)))
-        # [/exercise]
-        if s_flag[0] == 1:
-            # [exercise 7] The last CTA resets the counter to 0 with a relaxed gpu-scope store (cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")), so the next launch and every CUDA graph replay start from zero.
-            cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
-            # [/exercise]
-    cute.arch.sync_threads()  # the flag is in shared memory for everybody
-    return s_flag[0]
-# --8<-- [end:arrive]
-
-
-# --8<-- [start:combine]
-@cute.jit
-def fold_in_split(lse: Float32, part: cute.Tensor, state: cute.Tensor, o: cute.Tensor):
-    """Fold one split's partial into a running combine: the online softmax again, now over splits.
-
-    ``lse``: the split's LSE (log2 units, -inf for a split that saw no key);
-    ``part``: 4 columns of its normalized O. ``state[0]``: the running max M
-    of the LSEs so far; ``state[1]``: the running total, sum_s exp2(lse_s - M);
-    ``o``: sum_s exp2(lse_s - M) * O_s for the same 4 columns.
-    """
-    # [exercise 7] New max m = cute.arch.fmax(state[0], lse), 0 instead of m while it is -inf (cutlass.select_); rescale state[1] and o by cute.math.exp2(state[0] - m, fastmath=True); add w = exp2(lse - m) to state[1] and w * part to o; store m in state[0].
-    new_max = cute.arch.fmax(state[0], lse)
-    safe_max = Float32(cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max))
-    correction = cute.math.exp2(state[0] - safe_max, fastmath=True)
-    w = cute.math.exp2(lse - safe_max, fastmath=True)
-    state[1] = state[1] * correction + w
-    for i in cutlass.range_constexpr(cute.size(o)):
-        o[i] = o[i] * correction + w * part[i]
-    state[0] = new_max
-    # [/exercise]
-
-
-@cute.jit
-def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_sink: cutlass.Constexpr):
-    """After the last split: fold in the sink logit (once, here), normalize o; return the LSE (log2 units).
-
-    A sink adds exp2(sink - M) to the denominator only. An all-empty row (no
-    visible key, no sink) has total 0: O = 0 and LSE = -inf, never NaN.
-    """
-    # [exercise 7] With has_sink (cutlass.const_expr): fold the sink in with fold_in_split, as a split whose LSE is sink_log2 and whose columns are all 0 (a cute.make_rmem_tensor filled with 0). Then o *= 1 / state[1] (0 when the total is 0); return M + cute.math.log2(total, fastmath=True), or -inf when the total is 0 (cutlass.select_).
-    if cutlass.const_expr(has_sink):
-        no_columns = cute.make_rmem_tensor((cute.size(o),), Float32)
-        no_columns.fill(0.0)
-        fold_in_split(sink_log2, no_columns, state, o)
-    empty = state[1] == Float32(0.0)
-    inv_total = Float32(cutlass.select_(empty, Float32(0.0), 1.0 / state[1]))
-    for i in cutlass.range_constexpr(cute.size(o)):
-        o[i] = o[i] * inv_total
-    lse = Float32(cutlass.select_(empty, -Float32.inf, state[0] + cute.math.log2(state[1], fastmath=True)))
-    # [/exercise]
-    return lse
-# --8<-- [end:combine]
-
-
 # --8<-- [start:fragments]
 # Which keys and columns a thread's MMA fragments hold (lane = 4 * g + kq, g = lane // 4, kq = lane % 4).
 # m16n8k16 gives thread (g, kq): of A (16 x 16), rows g and g + 8, columns 2kq, 2kq + 1, 2kq + 8, 2kq + 9;
@@ -445,7 +325,7 @@ class TensorCoreDecode:
     """Grid (num_splits x head chunks, H_kv, B); one CTA = one split of one KV head's keys, for up to
     16 x row_tiles query heads."""
 
-    def __init__(self, config: "DecodeConfig"):
+    def __init__(self, config: DecodeConfig):
         self.q_dtype = config.cute_dtype
         self.cache_dtype = cute_dtype(_torch_dtype(config.cache_dtype))
         self.cache_name = config.cache_dtype  # what the host-side sizes (work_bytes, ctas_per_sm) take
@@ -527,12 +407,6 @@ class TensorCoreDecode:
 
     # --8<-- [start:key_row]
     @cute.jit
-    def cache_row(self, v: Int32, v_end: Int32, n_sink: Int32, lo: Int32) -> Int32:
-        """The token position of visible key ``v``; past the split's end, the split's last key (a valid row)."""
-        v = cutlass.min(v, v_end - 1)
-        return Int32(cutlass.select_(v < n_sink, v, v - n_sink + lo))
-
-    @cute.jit
     def lookup_page(self, mBlockTable: cute.Tensor, batch: Int32, first: Int32, v_end: Int32, n_sink: Int32,
                     lo: Int32, lane: Int32) -> Int32:
         """Paged cache: the pool page of row lane % 16 of the warp's 16 keys from visible key ``first``
@@ -544,7 +418,7 @@ class TensorCoreDecode:
         """
         page = Int32(0)
         if cutlass.const_expr(self.page_size != 0):
-            row = self.cache_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo)
+            row = cache_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo)
             page = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
         return page
 
@@ -553,8 +427,10 @@ class TensorCoreDecode:
         """K (or V) of ``head_kv`` from token ``row`` on, [rows, D]: of sequence ``page_or_batch`` in a
         contiguous cache, of pool page ``page_or_batch`` in a paged one (rows past the page's end are
         not this sequence's)."""
-        slot = row if cutlass.const_expr(self.page_size == 0) else row & (self.page_size - 1)  # row % page_size
-        return cute.domain_offset((slot, 0), mKV[page_or_batch, None, head_kv, None])
+        if cutlass.const_expr(self.page_size == 0):
+            return cute.domain_offset((row, 0), mKV[page_or_batch, None, head_kv, None])
+        page = pool_page(page_or_batch, mKV.shape[0])
+        return cute.domain_offset((row & (self.page_size - 1), 0), mKV[page, None, head_kv, None])  # row % page_size
 
     @cute.jit
     def rows_in_a_line(self, first: Int32, v_end: Int32, row_first: Int32, row_last: Int32):
@@ -584,8 +460,8 @@ class TensorCoreDecode:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
                                    num_bits_per_copy=128)
         chunk = lane % self.chunks
-        row_first = self.cache_row(first, v_end, n_sink, lo)
-        row_last = self.cache_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo)
+        row_first = cache_row(first, v_end, n_sink, lo)
+        row_last = cache_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo)
         # A runtime loop of at most 8 unrolled copies: D = 256's 16 unrolled row addresses took
         # ptxas past its 255 registers (a 24-byte spill in the main loop).
         if self.rows_in_a_line(first, v_end, row_first, row_last):
@@ -602,7 +478,7 @@ class TensorCoreDecode:
             # sinks' edge or a page boundary: a row, and a page, per copy.
             for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
                 tile_row = i * self.rows_per_copy + lane // self.chunks
-                row = self.cache_row(first + tile_row, v_end, n_sink, lo)
+                row = cache_row(first + tile_row, v_end, n_sink, lo)
                 # Paged: row r's page is in lane r (lookup_page).
                 page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else cute.arch.shuffle_sync(page, tile_row)
                 self.copy_pieces(atom, self.row_piece(self.kv_rows(mK, page_or_batch, row, head_kv), 0, chunk),
@@ -1063,7 +939,6 @@ class DecodeConfig:
 
 def fake_decode_tensors(config: DecodeConfig):
     import torch
-
     from cutlass.cute.runtime import make_fake_tensor
 
     symbols: dict = {}
@@ -1175,13 +1050,57 @@ def pick_warps(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sm
     ctas = batch * heads_kv * head_chunks(group_size, tiles)
     splits = auto_num_splits(batch, heads_kv, group_size, max_keys, num_sms, head_dim, cache_dtype, tiles, warps=8)
     return 8 if ctas * splits <= num_sms else 4
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one launch is cut: row tiles per CTA, warps per CTA and splits per sequence. The result does
+    not depend on it beyond rounding; ``decode_attention(..., plan=...)`` takes one (tests force each
+    variant so), ``choose_plan`` makes the one the rules above pick. ``num_splits = 0``: the split rule's
+    count for these tiles and warps."""
+
+    row_tiles: int = 1
+    warps: int = 4
+    num_splits: int = 0
+
+
+def choose_plan(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sms: int, head_dim: int,
+                cache_dtype: str, plan: DecodePlan | None = None, num_splits: int = 0) -> DecodePlan:
+    """The plan of a launch: ``plan`` where the caller gave one, else pick_row_tiles and pick_warps; the
+    split count from ``num_splits`` when positive, else the plan's, else auto_num_splits."""
+    if plan is None:
+        tiles = pick_row_tiles(batch, heads_kv, group_size, max_keys, num_sms, head_dim, cache_dtype)
+        plan = DecodePlan(tiles, pick_warps(batch, heads_kv, group_size, max_keys, num_sms, head_dim, cache_dtype,
+                                            tiles))
+    splits = num_splits or plan.num_splits or auto_num_splits(batch, heads_kv, group_size, max_keys, num_sms,
+                                                              head_dim, cache_dtype, plan.row_tiles, plan.warps)
+    return DecodePlan(plan.row_tiles, plan.warps, splits)
 # --8<-- [end:num_splits]
 
 
+def check_plan(plan, group_size: int, head_dim: int) -> None:
+    """A plan a caller passes: a DecodePlan whose row tiles and warps a kernel of this stage compiles."""
+    if plan is None:
+        return
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a DecodePlan or None; got {type(plan).__name__}")
+    most = row_tiles(group_size, head_dim)
+    if plan.row_tiles not in ROW_TILES or plan.row_tiles > most:
+        raise ValueError(f"plan.row_tiles = {plan.row_tiles!r}; a group of {group_size} heads at D = {head_dim} "
+                         f"takes 1 to {most} row tiles, one of {ROW_TILES}")
+    warps = WARPS if head_dim <= 128 else (4,)
+    if plan.warps not in warps:
+        raise ValueError(f"plan.warps = {plan.warps!r}; D = {head_dim} takes one of {warps}")
+    validation.check_int32("plan.num_splits", plan.num_splits, minimum=0)
+
+
 # --8<-- [start:api]
+_PLANS: dict = {}
+
+
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
-                     return_lse=False, out=None, check_lengths=True, k_scale=None, v_scale=None):
+                     return_lse=False, out=None, check_lengths=None, k_scale=None, v_scale=None, plan=None):
     """One query token per sequence against its KV cache; the contract is docs/contract.md.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
@@ -1190,9 +1109,34 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     ``v_scale`` (float32, [H_kv] or scalar tensors; the cache holds K / k_scale
     and V / v_scale: ``course.kv_cache.quantize_kv_cache`` makes one). Returns
     o [B, H_q, D] (and lse [B, H_q] float32 with return_lse). ``out``
-    (optional) receives O. ``check_lengths`` reads cache_seqlens, the block
-    table and the scales on the host to reject lengths beyond the cache and
-    scales that are not finite and > 0: skipped inside CUDA graph capture.
+    (optional) receives O. ``check_lengths=True`` reads cache_seqlens, the
+    block table and the scales on the host (a synchronization) to reject
+    lengths beyond the cache, pages outside the pool and scales that are not
+    finite and > 0; ``None`` follows ``COURSE_CHECK_LENGTHS``
+    (``launch.check_device_values``). Unchecked, the kernel clamps lengths and
+    pages to the cache, so it never reads outside it. ``plan`` (a DecodePlan)
+    replaces the rules' row tiles, warps and split count.
+    """
+    key = launch.signature(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out,
+                           softmax_scale, window_size_left, num_sink_tokens, num_splits, return_lse, plan)
+    check = launch.check_device_values(check_lengths)
+    run = launch.cached_plan(_PLANS, key, lambda: plan_launch(
+        q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+        window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+        num_splits=num_splits, return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale, plan=plan,
+        check_lengths=check))
+    if check:
+        validation.check_decode_values(cache_seqlens, block_table, run.shape, k_scale, v_scale)
+    return run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out)
+
+
+def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scale, window_size_left, sink_logits,
+                num_sink_tokens, num_splits, return_lse, out, k_scale, v_scale, plan, check_lengths):
+    """Everything ``decode_attention`` does that depends only on the call's signature: validation, the
+    plan (tiles, warps, splits), the kernel and its compile, placeholders, workspace sizes.
+
+    Returns ``run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits,
+    k_scale, v_scale, out)``, which allocates the outputs and workspace and launches.
     """
     import torch
 
@@ -1202,45 +1146,49 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
         num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
         k_scale=k_scale, v_scale=v_scale, stage=STAGE, max_token_stride=MAX_TOKEN_STRIDE,
     )
-    if check_lengths and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        validation.check_decode_lengths(cache_seqlens, block_table, shape)
-        validation.check_kv_scale_values(k_scale, v_scale)
+    group_size = shape.heads_q // shape.heads_kv
+    check_plan(plan, group_size, shape.head_dim)
+    if check_lengths:  # values before devices, so that a CPU test reaches them (decode_attention checks again)
+        validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale)
     validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                             block_table=block_table, sink_logits=sink_logits, k_scale=k_scale, v_scale=v_scale,
                             out=out)
     device = q.device
     cache_dtype = str(k_cache.dtype).removeprefix("torch.")
-    group_size = shape.heads_q // shape.heads_kv
     max_keys = shape.capacity if window_size_left < 0 else min(shape.capacity, window_size_left + 1 + num_sink_tokens)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = pick_row_tiles(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype)
-    kv_ctas = shape.heads_kv * head_chunks(group_size, tiles)
-    warps = pick_warps(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype, tiles)
-    if num_splits == 0:
-        num_splits = auto_num_splits(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim,
-                                     cache_dtype, tiles, warps)
-    if out is None:
-        out = q.new_empty(q.shape)
-    lse = torch.empty(shape.batch, shape.heads_q, dtype=torch.float32, device=device) if return_lse else None
-    slots = workspace_slots(num_splits)
-    part_o = torch.empty(shape.batch, shape.heads_q, slots, shape.head_dim, dtype=torch.float32, device=device)
-    part_lse = torch.empty(shape.batch, shape.heads_q, slots, dtype=torch.float32, device=device)
-    counters = launch.decode_counters(device, shape.batch * kv_ctas * (split_groups(num_splits) + 1))
-    page_size = shape.page_size if block_table is not None else 0
-    has_sink = sink_logits is not None
-    config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, page_size, cache_dtype, has_sink,
-                          bool(return_lse), tiles, warps)
+    plan = choose_plan(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype,
+                       plan, num_splits)
+    kv_ctas = shape.heads_kv * head_chunks(group_size, plan.row_tiles)
+    config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim,
+                          shape.page_size if block_table is not None else 0, cache_dtype, sink_logits is not None,
+                          bool(return_lse), plan.row_tiles, plan.warps)
     kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
-    scale = validation.resolve_scale(softmax_scale, shape.head_dim)
-    no_scale = launch.placeholder(device, (1,))
-    kernel(q, k_cache, v_cache, cache_seqlens,
-           block_table if block_table is not None else launch.placeholder(device, (1, 1), torch.int32),
-           sink_logits if has_sink else no_scale,
-           k_scale.reshape(-1) if k_scale is not None else no_scale,
-           v_scale.reshape(-1) if v_scale is not None else no_scale,
-           out, lse if return_lse else launch.placeholder(device, (1, 1)),
-           part_o, part_lse, counters, scale * LOG2_E, window_size_left, num_sink_tokens, num_splits)
-    return (out, lse) if return_lse else out
+    scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
+    no_scale, no_lse = launch.placeholder(device, (1,)), launch.placeholder(device, (1, 1))
+    no_table = launch.placeholder(device, (1, 1), torch.int32)
+    scalar_scales = k_scale is not None and k_scale.dim() == 0, v_scale is not None and v_scale.dim() == 0
+    slots = workspace_slots(plan.num_splits)
+    part_o_shape = (shape.batch, shape.heads_q, slots, shape.head_dim)
+    part_lse_shape, lse_shape = (shape.batch, shape.heads_q, slots), (shape.batch, shape.heads_q)
+    partials = launch.DecodePartials(device, part_o_shape, part_lse_shape)
+    num_counters = shape.batch * kv_ctas * (split_groups(plan.num_splits) + 1)
+
+    def run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out):
+        if out is None:
+            out = q.new_empty(q.shape)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if return_lse else no_lse
+        part_o, part_lse = partials.views()
+        kernel(q, k_cache, v_cache, cache_seqlens, no_table if block_table is None else block_table,
+               no_scale if sink_logits is None else sink_logits,
+               no_scale if k_scale is None else k_scale.reshape(1) if scalar_scales[0] else k_scale,
+               no_scale if v_scale is None else v_scale.reshape(1) if scalar_scales[1] else v_scale,
+               out, lse, part_o, part_lse, launch.decode_counters(device, num_counters), scale_log2,
+               window_size_left, num_sink_tokens, plan.num_splits)
+        return (out, lse) if return_lse else out
+
+    run.shape, run.plan = shape, plan
+    return run
 # --8<-- [end:api]
 
 

@@ -322,7 +322,7 @@ def test_a_changed_solution_needs_regenerated_skeletons(committed_copy):
 
 
 def test_skeletons_refuses_to_overwrite_edits(committed_copy, capsys):
-    stage = edit(5)
+    edit(5)
     before = {p: p.read_text() for p in (committed_copy / "stages").glob("*.py")}
     assert main(["skeletons"]) == 1
     assert {p: p.read_text() for p in (committed_copy / "stages").glob("*.py")} == before  # nothing written

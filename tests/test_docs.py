@@ -151,6 +151,33 @@ def test_models_table_is_generated():
     )
 
 
+def test_host_table_is_generated():
+    """docs/results/host.md is what `python -m course host-bench --render` writes from host.json."""
+    import json
+
+    from course import host_bench
+
+    results = json.loads((ROOT / "docs" / "results" / host_bench.HOST_JSON).read_text())
+    assert (ROOT / "docs" / "results" / host_bench.HOST_MD).read_text() == host_bench.table(results), (
+        "docs/results/host.md is not what course.host_bench renders; regenerate it with "
+        "`python -m course host-bench --render` (never edit it by hand)"
+    )
+
+
+def test_host_table_compares_each_call_with_cudnn():
+    """The renderer on a made-up measurement (never written anywhere): ratios to SDPA cuDNN's row."""
+    from course import host_bench
+
+    env = {"gpu": "GPU", "torch": "2", "nvidia_cutlass_dsl": "4", "date": "today"}
+    rows = [{"call": "stage 9 decode_attention", "host_us": 20.0, "eager_us": 25.0},
+            {"call": "SDPA cuDNN", "host_us": 50.0, "eager_us": 50.0}]
+    results = {"environment": env, "prefill": host_bench.PREFILL, "decode": host_bench.DECODE,
+               "rows": {"prefill": rows, "decode": rows}}
+    text = host_bench.table(results)
+    assert "| stage 9 decode_attention | 20.0 | 0.40x | 25.0 | 2.00 |" in text
+    assert "| SDPA cuDNN | 50.0 | 1.00x | 50.0 | 1.00 |" in text
+
+
 def test_models_table_shows_every_row():
     """The renderer on a made-up measurement (never written anywhere): times, a refused backend, an error."""
     from course import model_bench
@@ -162,12 +189,21 @@ def test_models_table_shows_every_row():
              for backend, ms in (("course", 2.0), ("eager", 5.0))]
     rows.append({"model": "llama", "backend": "eager", "phase": "prefill", "batch": 1, "tokens": 4096,
                  "error": "out of memory"})
+    rows.append({"model": "llama", "backend": "course", "phase": "decode", "batch": 8, "tokens": 4096,
+                 "mode": "static+compile", "ms": 1.0})
+    rows.append({"model": "llama", "backend": "sdpa", "phase": "decode", "batch": 8, "tokens": 4096,
+                 "mode": "static+compile", "ms": 1.5})
     results = {"environment": env, "decode_steps": 32, "rows": rows}
     text = model_bench.table(results)
-    assert "| GPT-OSS, 8 layers | decode, 32 steps after 4096 tokens | 2.00 | refused | 5.00 | 2.50x |" in text
-    assert "| Llama, same attention | prefill, 4096 tokens | refused | refused | out of memory | - |" in text
+    assert ("| GPT-OSS, 8 layers | decode B=1, 32 steps after 4096 tokens, eager | 2.00 | refused | 5.00 | - "
+            "| 2.50x |") in text
+    assert "| Llama, same attention | prefill, 4096 tokens | refused | refused | out of memory | - | - |" in text
+    assert ("| Llama, same attention | decode B=8, 32 steps after 4096 tokens, static+compile | 1.00 | 1.50 | "
+            "refused | 1.50x | - |") in text
     assert "- GPT-OSS, 8 layers, sdpa: transformers refuses it: no SDPA" in text
-    assert [ax.get_title() for ax in model_bench.figure(results).axes] == ["decode, 32 steps after 4096 tokens"]
+    assert [ax.get_title() for ax in model_bench.figure(results).axes] == [
+        "decode B=1, 32 steps after 4096 tokens, eager",
+        "decode B=8, 32 steps after 4096 tokens,\nstatic+compile"]
 
 
 def test_summary_table_of_a_grouping():

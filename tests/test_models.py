@@ -103,10 +103,13 @@ def test_static_cache_free_slots_are_not_attended(backed_by):
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-3)
 
 
-def test_mask_is_none_when_every_returned_key_is_real():
-    """DynamicCache: the keys returned are all real, so the decode kernel gets their number from the shape."""
-    assert models.visible_key_counts(2, 1, kv_length=51, q_offset=50) is None               # full layer
-    assert models.visible_key_counts(2, 1, kv_length=128, q_offset=300, kv_offset=173) is None  # sliding
+def test_mask_counts_the_real_keys():
+    """DynamicCache: a prompt's keys are all real (no mask); a decode step gets their count, made once per
+    forward for every layer. StaticCache: the count from the cache's counter, on the device."""
+    assert models.visible_key_counts(2, 48, kv_length=48) is None                              # a prompt
+    for counts in (models.visible_key_counts(2, 1, kv_length=51, q_offset=50, device="cpu"),  # full layer
+                   models.visible_key_counts(2, 1, kv_length=51, q_offset=300, kv_offset=250, device="cpu")):
+        assert counts.tolist() == [51, 51] and counts.dtype == torch.int32
     counts = models.visible_key_counts(3, 1, kv_length=64, q_offset=torch.tensor(9), device="cpu")
     assert counts.tolist() == [10, 10, 10] and counts.dtype == torch.int32
 
@@ -363,3 +366,22 @@ def test_cuda_graph_of_a_decode_step_replays_correctly(kernels, family):
     for step in range(logits.shape[1]):
         assert_within_yardstick(logits[:, step], baseline[:, step], expected[:, step],
                                 f"{family}, CUDA graph replay at position {prompt - 1 + step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_generate_with_a_static_cache_and_torch_compile(kernels, family):
+    """transformers' static cache makes ``generate`` compile the decode step with CUDA-graph trees, whose
+    pools must hold no memory a graph output does not own (the decode counters and placeholders are
+    allocated outside them): the tokens are those of the same generation without compiling."""
+    config = gpu_config(family)
+    model = models.in_dtype(build(config, "cuda"), torch.float16, "course")
+    ids = token_ids(config, 2, 100, "cuda")
+    options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static",
+                   pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, **options, disable_compile=True)
+        compiled = model.generate(ids, **options)
+        again = model.generate(ids, **options)  # the graphs replayed, with the lengths of a new generation
+    assert torch.equal(compiled, eager), f"{family}: the compiled generation's tokens differ from the eager ones"
+    assert torch.equal(again, eager), f"{family}: a second compiled generation differs"

@@ -6,9 +6,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_stage07_decode import BAD_INPUTS as STAGE7_BAD_INPUTS
-from test_stage07_decode import VISIBLE_KEY_CASES, check_split_ranges, check_visible_keys, cpu_inputs, replaced
+from test_stage07_decode import (
+    VISIBLE_KEY_CASES,
+    check_split_ranges,
+    check_visible_keys,
+    cpu_inputs,
+    replaced,
+)
 
-from course import kv_cache, reference, stages, testing
+from course import kv_cache, stages, testing
 
 STAGE = stages.get(9)
 
@@ -124,12 +130,12 @@ BAD_INPUTS = {
     **STAGE7_BAD_INPUTS,
     "fp8-without-scales": (lambda: {k: v for k, v in fp8_cpu_inputs().items() if k != "v_scale"}, {},
                            ValueError, "v_scale"),
-    "fp8-scale-zero": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.tensor([1.0, 0.0])), {}, ValueError,
-                       r"k_scale\[1\] = 0.0"),
-    "fp8-scale-nan": (lambda: replaced(fp8_cpu_inputs(), v_scale=torch.tensor(float("nan"))), {}, ValueError,
-                      "v_scale"),
-    "fp8-scale-inf": (lambda: replaced(fp8_cpu_inputs(), v_scale=torch.tensor([1.0, float("inf")])), {},
-                      ValueError, "finite"),
+    "fp8-scale-zero": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.tensor([1.0, 0.0])),
+                       {"check_lengths": True}, ValueError, r"k_scale\[1\] = 0.0"),
+    "fp8-scale-nan": (lambda: replaced(fp8_cpu_inputs(), v_scale=torch.tensor(float("nan"))),
+                      {"check_lengths": True}, ValueError, "v_scale"),
+    "fp8-scale-inf": (lambda: replaced(fp8_cpu_inputs(), v_scale=torch.tensor([1.0, float("inf")])),
+                      {"check_lengths": True}, ValueError, "finite"),
     "fp8-scale-shape": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.ones(3)), {}, ValueError, r"\[H_kv\]"),
     "fp8-scale-dtype": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.ones(2, dtype=torch.float16)), {},
                         TypeError, "float32"),
@@ -140,6 +146,15 @@ BAD_INPUTS = {
     "fp8-valid-reaches-the-device-check": (lambda: fp8_cpu_inputs(), {}, ValueError, "CUDA"),
     "token-stride-2**27": (lambda: strided_tokens(STAGE.load("solutions").MAX_TOKEN_STRIDE), {}, ValueError,
                            r"k_cache has strides .* accepts token strides below 134217728 elements"),
+    # A plan's options are made by the stage under test (its own DecodePlan class).
+    "plan-type": (lambda: cpu_inputs(), {"plan": lambda stage: (1, 4)}, TypeError, "DecodePlan"),
+    "plan-row-tiles": (lambda: cpu_inputs(), {"plan": lambda stage: stage.DecodePlan(row_tiles=2)}, ValueError,
+                       "row tiles"),
+    "plan-warps": (lambda: cpu_inputs(), {"plan": lambda stage: stage.DecodePlan(warps=6)}, ValueError, "warps"),
+    "plan-splits": (lambda: cpu_inputs(), {"plan": lambda stage: stage.DecodePlan(num_splits=-1)}, ValueError,
+                    "plan.num_splits"),
+    "plan-valid-reaches-the-device-check": (lambda: cpu_inputs(), {"plan": lambda stage: stage.DecodePlan(1, 8, 3)},
+                                            ValueError, "CUDA"),
     "token-stride-below-2**27-reaches-the-device-check": (
         lambda: strided_tokens(STAGE.load("solutions").MAX_TOKEN_STRIDE - 64), {}, ValueError, "CUDA"),
 }
@@ -157,6 +172,7 @@ def strided_tokens(token_stride: int) -> dict:
 
 @pytest.mark.parametrize("make, options, error, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())
 def test_bad_input_is_rejected_before_launch(stage, make, options, error, message):
+    options = {name: value(stage) if callable(value) else value for name, value in options.items()}
     with pytest.raises(error, match=message):
         stage.decode_attention(**make(), **options)
 
@@ -218,7 +234,7 @@ def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
     result = stage.decode_attention(**inputs, **options, **scales, return_lse=return_lse,
                                     out=testing.poisoned_like(inputs["q"]))
     out, lse = result if return_lse else (result, None)
-    features = {k: v for k, v in options.items() if k != "num_splits"}
+    features = {k: v for k, v in options.items() if k not in ("num_splits", "plan")}
     return testing.assert_decode_matches(out, inputs, where, lse=lse, **features, **scales), out
 
 
@@ -235,32 +251,28 @@ HEADS_IDS = [f"h{a}-kv{b}-" + w.replace("tiles", f"tiles{STAGE.load('solutions')
              for a, b, w in ROW_TILE_HEADS]
 
 
-@pytest.fixture
-def force_variant(stage, monkeypatch):
-    """force_variant(variant): make decode_attention use as many row tiles as the group allows on 4 warps
-    ("tiles") or on 8 ("tiles-warps8", D <= 128), or one tile on 8 warps ("warps8", D <= 128). It picks
-    both from the launch's size (pick_row_tiles, pick_warps), and the tests' small launches would mostly
-    get one tile on 4 warps."""
-    def force(variant):
-        most_tiles, warps = VARIANTS[variant]
-        monkeypatch.setattr(stage, "pick_row_tiles", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
-                            cache_dtype: stage.row_tiles(group_size, head_dim) if most_tiles else 1)
-        monkeypatch.setattr(stage, "pick_warps", lambda batch, heads_kv, group_size, max_keys, num_sms, head_dim,
-                            cache_dtype, tiles: warps if head_dim <= 128 else 4)
-    return force
+def variant_plan(stage, variant, heads_q, heads_kv, head_dim=128):
+    """The DecodePlan that forces ``variant``: as many row tiles as the group allows on 4 warps ("tiles")
+    or on 8 ("tiles-warps8", D <= 128), or one tile on 8 warps ("warps8", D <= 128); the split count is
+    the call's or the rule's for that plan. decode_attention picks tiles and warps from the launch's
+    size (choose_plan), and the tests' small launches would mostly get one tile on 4 warps."""
+    if variant is None:
+        return None
+    most_tiles, warps = VARIANTS[variant]
+    tiles = stage.row_tiles(heads_q // heads_kv, head_dim) if most_tiles else 1
+    return stage.DecodePlan(tiles, warps if head_dim <= 128 else 4)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
 @pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("dtype, head_dim, layout", RAGGED_CASES, ids=[f"{a}-d{b}-{c}" for a, b, c in RAGGED_CASES])
-def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q, heads_kv, variant, fp8, force_variant):
+def test_ragged_batch_matches_reference(stage, dtype, head_dim, layout, heads_q, heads_kv, variant, fp8):
     """Lengths 1 ... 131072 in one batch (page boundaries, a full last page), auto split count, LSE too."""
-    force_variant(variant)
     inputs = testing.random_decode_inputs(RAGGED, heads_q, heads_kv, head_dim, getattr(torch, dtype),
                                           page_size=LAYOUTS[layout], seed=head_dim + heads_q)
     run(stage, inputs, f"{dtype}, D={head_dim}, {layout}, H_q={heads_q}, H_kv={heads_kv}, {variant}, fp8={fp8}, "
-        f"lengths {RAGGED}", fp8=fp8, return_lse=True)
+        f"lengths {RAGGED}", fp8=fp8, return_lse=True, plan=variant_plan(stage, variant, heads_q, heads_kv, head_dim))
 
 
 # (H_q, H_kv): MHA, groups 4, 8, 16, MQA 8 and 64; a group of 3; 24 (two row tiles, the second half-full);
@@ -278,24 +290,24 @@ VARIANT_IDS = {None: "", "tiles": "-most-tiles", "warps8": "-warps8", "tiles-war
 @pytest.mark.parametrize("layout", ["contiguous", "paged32"])
 @pytest.mark.parametrize("h_q, h_kv, forced", GROUPING_CASES,
                          ids=[f"h{a}-kv{b}{VARIANT_IDS[f]}" for a, b, f in GROUPING_CASES])
-def test_groupings(stage, h_q, h_kv, forced, layout, fp8, force_variant):
-    if forced:
-        force_variant(forced)
+def test_groupings(stage, h_q, h_kv, forced, layout, fp8):
     inputs = testing.random_decode_inputs([1, 31, 32, 33, 1000, 4097], h_q, h_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=h_q * 10 + h_kv)
-    run(stage, inputs, f"H_q={h_q}, H_kv={h_kv}, {layout}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=3)
+    run(stage, inputs, f"H_q={h_q}, H_kv={h_kv}, {layout}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=3,
+        plan=variant_plan(stage, forced, h_q, h_kv))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout", ["contiguous", "paged64"])
-def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_kv, variant, force_variant):
-    force_variant(variant)
+def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_kv, variant):
     inputs = testing.random_decode_inputs([2, 128, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=11)
+    plan = variant_plan(stage, variant, heads_q, heads_kv)
     results = {}
     for num_splits in (*range(1, 9), 16, 17, 33, 64, 100, 300, 0):  # 17 and up: two levels of last CTAs
-        _, results[num_splits] = run(stage, inputs, f"{layout}, num_splits={num_splits}", num_splits=num_splits)
+        _, results[num_splits] = run(stage, inputs, f"{layout}, num_splits={num_splits}", num_splits=num_splits,
+                                     plan=plan)
     for num_splits, out in results.items():
         torch.testing.assert_close(out, results[1], rtol=2e-3, atol=2e-3,
                                    msg=f"num_splits={num_splits} differs from one split")
@@ -304,12 +316,12 @@ def test_every_split_count_gives_the_same_result(stage, layout, heads_q, heads_k
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("num_splits", [7, 37], ids=["one-level", "two-level"])
-def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, heads_kv, variant, force_variant):
+def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, heads_kv, variant):
     """200 launches in a row: a counter left non-zero would stop the next launch from combining."""
-    force_variant(variant)
     inputs = testing.random_decode_inputs([4097, 300, 1], heads_q, heads_kv, 128, torch.float16, page_size=64,
                                           seed=3)
-    outs = [stage.decode_attention(**inputs, num_splits=num_splits, out=testing.poisoned_like(inputs["q"]))
+    plan = variant_plan(stage, variant, heads_q, heads_kv)
+    outs = [stage.decode_attention(**inputs, num_splits=num_splits, plan=plan, out=testing.poisoned_like(inputs["q"]))
             for _ in range(200)]
     testing.assert_decode_matches(outs[0], inputs, "launch 1 of 200")
     for i, out in enumerate(outs):
@@ -319,12 +331,12 @@ def test_back_to_back_launches_reset_the_counters(stage, num_splits, heads_q, he
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
-def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, variant, force_variant):
+def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, variant):
     """200 replays of one captured launch, each on a new q: the same bits as an eager launch."""
-    force_variant(variant)
     inputs = testing.random_decode_inputs([4097, 32768, 5], heads_q, heads_kv, 128, torch.float16, page_size=64,
                                           seed=4)
     inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
+    scales["plan"] = variant_plan(stage, variant, heads_q, heads_kv)  # travels with the scales to every call
     out = testing.poisoned_like(inputs["q"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -343,7 +355,8 @@ def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, variant, force_variant
             eager = stage.decode_attention(**inputs, **scales, num_splits=37)
             torch.cuda.synchronize()
             assert torch.equal(out, eager), f"CUDA graph replay {replay + 1} differs from an eager launch"
-            testing.assert_decode_matches(out, inputs, f"CUDA graph replay {replay + 1}", **scales)
+            testing.assert_decode_matches(out, inputs, f"CUDA graph replay {replay + 1}",
+                                          **{k: v for k, v in scales.items() if k != "plan"})
 
 
 FEATURE_CASES = {  # name: (layout, features)
@@ -361,14 +374,14 @@ FEATURE_CASES = {  # name: (layout, features)
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
 @pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
 @pytest.mark.parametrize("layout, features", FEATURE_CASES.values(), ids=FEATURE_CASES.keys())
-def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, variant, force_variant):
-    force_variant(variant)
+def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, variant):
     inputs = testing.random_decode_inputs([0, 1, 127, 4097, 32768], heads_q, heads_kv, 128, torch.float16,
                                           page_size=LAYOUTS[layout], seed=21)
     features = dict(features)
     if features.pop("sink_logits", False):
         features["sink_logits"] = torch.randn(heads_q, device="cuda") * 3
-    run(stage, inputs, f"{layout}, {features}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=4, **features)
+    run(stage, inputs, f"{layout}, {features}, fp8={fp8}", fp8=fp8, return_lse=True, num_splits=4,
+        plan=variant_plan(stage, variant, heads_q, heads_kv), **features)
 
 
 @pytest.mark.gpu
@@ -397,11 +410,10 @@ def test_large_logits_do_not_overflow(stage, fp8):
 @pytest.mark.parametrize("fp8", [False, True], ids=["16-bit-cache", "fp8-cache"])
 @pytest.mark.parametrize("climb", [0.03, 1.0], ids=["below-threshold", "above-threshold"])
 @pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
-def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, variant, force_variant):
+def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, variant):
     """Scores that rise along the sequence by ``climb`` (natural log units) per key move the running
     max again and again: by less than RESCALE_THRESHOLD per iteration, where a warp keeps its max and
     the numerators grow, and by more, where it rescales O every iteration. One split: long runs."""
-    force_variant(variant)
     lengths = [1500, 333]
     inputs = testing.random_decode_inputs(lengths, heads_q, heads_kv, 128, torch.float16, seed=11)
     q = inputs["q"].abs_()  # every head's q . (1, ..., 1) > 0: a key's score grows with t (1, ..., 1)
@@ -409,4 +421,5 @@ def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, variant
     for b, n in enumerate(lengths):
         t = climb / per_unit * torch.arange(n, device=q.device, dtype=torch.float32)
         inputs["k_cache"][b, :n] += t[:, None, None].to(inputs["k_cache"].dtype)
-    run(stage, inputs, f"scores climbing {climb} per key", fp8=fp8, return_lse=True, num_splits=1)
+    run(stage, inputs, f"scores climbing {climb} per key", fp8=fp8, return_lse=True, num_splits=1,
+        plan=variant_plan(stage, variant, heads_q, heads_kv))
