@@ -2,7 +2,9 @@
 
 In a solution, the code that teaches stage N sits between two markers:
 
-    # [exercise N] One line that says what to write.
+    # [exercise N] What must hold when the code below has run, in a sentence
+    #   or a few lines: comment lines that follow the marker, indented two more
+    #   spaces after the '#', continue the hint.
     ...solution code...
     # [/exercise]
 
@@ -27,6 +29,7 @@ from pathlib import Path
 from course.stages import STAGES, Stage
 
 OPEN = re.compile(r"^(?P<indent>\s*)# \[exercise (?P<stage>\d+)\] (?P<hint>.+?)\s*$")
+MORE = "#   "  # after the indent of an opening marker: a line that continues its hint
 CLOSE = re.compile(r"^\s*# \[/exercise\]\s*$")
 DEF = re.compile(r"^\s*def (\w+)\(")
 
@@ -40,7 +43,8 @@ def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
     out: list[str] = []
     stack: list[bool] = []  # one entry per open region: is it cut from this skeleton?
     function = "<module>"
-    for number, line in enumerate(solution.splitlines(keepends=True), start=1):
+    lines = solution.splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
         if DEF.match(line):
             function = DEF.match(line).group(1)
         opened, closed = OPEN.match(line), CLOSE.match(line)
@@ -49,9 +53,11 @@ def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
             cut = int(opened["stage"]) == stage
             stack.append(cut)
             if cut and not inside_cut:
-                indent, hint = opened["indent"], opened["hint"]
-                message = f"TODO(stage {stage}) in {function}(): {hint} Hints: docs/{docs_page}"
-                out.append(f"{indent}# TODO(stage {stage}): {hint}\n")
+                indent = opened["indent"]
+                hint = [opened["hint"], *hint_continuation(lines[number:], indent)]
+                message = f"TODO(stage {stage}) in {function}(): {' '.join(hint)} Hints: docs/{docs_page}"
+                out.append(f"{indent}# TODO(stage {stage}): {hint[0]}\n")
+                out.extend(f"{indent}{MORE}{more}\n" for more in hint[1:])
                 out.append(f"{indent}raise NotImplementedError({message!r})\n")
             if cut or inside_cut:
                 continue
@@ -66,6 +72,17 @@ def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
     if stack:
         raise ValueError("an exercise region is not closed with '# [/exercise]'")
     return "".join(out)
+
+
+def hint_continuation(following: list[str], indent: str) -> list[str]:
+    """The lines of ``following`` (the lines after an opening marker) that continue its hint: comment
+    lines at the marker's indent whose text starts two spaces further in (``MORE``)."""
+    more = []
+    for line in following:
+        if not line.startswith(indent + MORE):
+            break
+        more.append(line[len(indent + MORE):].strip())
+    return more
 
 
 def exercise_functions(stage: Stage) -> list[str]:

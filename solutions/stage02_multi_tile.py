@@ -104,7 +104,10 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
     before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom = cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode 2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first k-block only; then warpgroup.commit_group().
+    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom =
+    #   cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode
+    #   2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first
+    #   k-block only; then warpgroup.commit_group().
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -139,7 +142,8 @@ def update_row_max(acc_S: cute.Tensor, row_max: cute.Tensor):
     associative, so reducing once at the end gives the same answer.
     """
     s = rows_cols_view(acc_S)
-    # [exercise 2] For each row r: row_max[r] = max(row_max[r], every s[r, c] of this tile), with cute.arch.fmax.
+    # [exercise 2] For each row r: row_max[r] = max(row_max[r], every s[r, c] of this tile), with
+    #   cute.arch.fmax.
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
             row_max[r] = cute.arch.fmax(row_max[r], s[r, c])
@@ -152,7 +156,8 @@ def exponentiate_rows(acc_S: cute.Tensor, row_max: cute.Tensor, scale_log2: cutl
     """Pass 2: P = exp2(S * scale_log2 - max * scale_log2) in place with the final row max;
     add this tile's part of each row sum (this thread's columns only)."""
     s = rows_cols_view(acc_S)
-    # [exercise 2] For each row r: P = cute.math.exp2(s * scale_log2 - row_max[r] * scale_log2, fastmath=True) in place, row_sum[r] += the thread's sum of P.
+    # [exercise 2] For each row r: P = cute.math.exp2(s * scale_log2 - row_max[r] * scale_log2,
+    #   fastmath=True) in place, row_sum[r] += the thread's sum of P.
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         max_scaled = row_max[r] * scale_log2
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
@@ -172,7 +177,9 @@ def quad_allreduce(values: cute.Tensor, reduce):
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
-    # [exercise 1] Convert acc_S to dtype in a new register tensor (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
+    # [exercise 1] Convert acc_S to dtype in a new register tensor
+    #   (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then
+    #   return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
     rP = cute.make_rmem_tensor_like(acc_S, dtype)
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
@@ -187,7 +194,9 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     The copy completes on the buffer's "full" barrier, which ``producer_acquire``
     armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
     """
-    # [exercise 2] pipe.producer_acquire(state); cute.copy(tma_atom, source, destination, tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer state.index (mode 1 of tXsX); pipe.producer_commit(state).
+    # [exercise 2] pipe.producer_acquire(state); cute.copy(tma_atom, source, destination,
+    #   tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer
+    #   state.index (mode 1 of tXsX); pipe.producer_commit(state).
     pipe.producer_acquire(state)
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
@@ -204,7 +213,9 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     Waits for the K buffer to be full and releases it as soon as the WGMMAs
     that read it have completed, so the producer can refill it early.
     """
-    # [exercise 2] pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer k_state.index (mode 3 of tSrK); warpgroup.wait_group(0); pipeline_k.consumer_release(k_state).
+    # [exercise 2] pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer
+    #   k_state.index (mode 3 of tSrK); warpgroup.wait_group(0);
+    #   pipeline_k.consumer_release(k_state).
     pipeline_k.consumer_wait(k_state)
     warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
     warpgroup.wait_group(0)
@@ -221,7 +232,9 @@ def first_pass_row_max(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Ten
                        pipeline_k, k_state, tScS: cute.Tensor, n_blocks: cutlass.Int32,
                        seqlen_k: cutlass.Int32, row_max: cute.Tensor):
     """Pass 1: stream every K tile and fold its scores into the row maxima; return the K state."""
-    # [exercise 2] For every KV tile (a runtime loop: cutlass.range(n_blocks, unroll=1)): tile_scores, k_state.advance(), update_row_max; after the loop, quad-reduce row_max (quad_allreduce with cute.arch.warp_reduction_max).
+    # [exercise 2] For every KV tile (a runtime loop: cutlass.range(n_blocks, unroll=1)):
+    #   tile_scores, k_state.advance(), update_row_max; after the loop, quad-reduce row_max
+    #   (quad_allreduce with cute.arch.warp_reduction_max).
     for n_block in cutlass.range(n_blocks, unroll=1):
         tile_scores(qk_mma, acc_S, tSrQ, tSrK, pipeline_k, k_state, tScS, n_block, seqlen_k)
         k_state.advance()
@@ -238,7 +251,10 @@ def second_pass_accumulate(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: 
                            seqlen_k: cutlass.Int32, row_max: cute.Tensor, row_sum: cute.Tensor,
                            scale_log2: cutlass.Float32, dtype: cutlass.Constexpr):
     """Pass 2: stream K and V again; P with the final row max, O += P V, row sums."""
-    # [exercise 2] For every KV tile (cutlass.range(n_blocks, unroll=1)): tile_scores and k_state.advance(); exponentiate_rows; P as the A operand (scores_to_operand_a); pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False); warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance().
+    # [exercise 2] For every KV tile (cutlass.range(n_blocks, unroll=1)): tile_scores and
+    #   k_state.advance(); exponentiate_rows; P as the A operand (scores_to_operand_a);
+    #   pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False);
+    #   warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance().
     for n_block in cutlass.range(n_blocks, unroll=1):
         tile_scores(qk_mma, acc_S, tSrQ, tSrK, pipeline_k, k_state, tScS, n_block, seqlen_k)
         k_state.advance()

@@ -104,7 +104,10 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     The first k-block runs with ACCUMULATE off, which zero-initializes acc.
     The caller waits with ``warpgroup.wait_group(0)`` before reading acc.
     """
-    # TODO(stage 1): Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom = cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode 2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first k-block only; then warpgroup.commit_group().
+    # TODO(stage 1): Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom =
+    #   cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode
+    #   2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first
+    #   k-block only; then warpgroup.commit_group().
     raise NotImplementedError('TODO(stage 1) in warpgroup_gemm(): Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom = cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode 2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first k-block only; then warpgroup.commit_group(). Hints: docs/stages/01-single-tile.md')
 # --8<-- [end:gemm]
 
@@ -138,7 +141,11 @@ def softmax_rows(acc_S: cute.Tensor, scale_log2: cutlass.Float32) -> cute.Tensor
     """
     s = rows_cols_view(acc_S)
     row_sum = cute.make_rmem_tensor(cute.size(s, mode=[0]), cutlass.Float32)
-    # TODO(stage 1): For each row r of s (cutlass.range_constexpr over the modes of s): row max over the thread's values (cute.arch.fmax), then over the quad (cute.arch.warp_reduction_max(x, threads_in_group=4)); P = cute.math.exp2(s * scale_log2 - max * scale_log2, fastmath=True) in place; row_sum[r] = the quad's sum of P (cute.arch.warp_reduction_sum(x, threads_in_group=4)).
+    # TODO(stage 1): For each row r of s (cutlass.range_constexpr over the modes of s): row max over
+    #   the thread's values (cute.arch.fmax), then over the quad (cute.arch.warp_reduction_max(x,
+    #   threads_in_group=4)); P = cute.math.exp2(s * scale_log2 - max * scale_log2, fastmath=True)
+    #   in place; row_sum[r] = the quad's sum of P (cute.arch.warp_reduction_sum(x,
+    #   threads_in_group=4)).
     raise NotImplementedError("TODO(stage 1) in softmax_rows(): For each row r of s (cutlass.range_constexpr over the modes of s): row max over the thread's values (cute.arch.fmax), then over the quad (cute.arch.warp_reduction_max(x, threads_in_group=4)); P = cute.math.exp2(s * scale_log2 - max * scale_log2, fastmath=True) in place; row_sum[r] = the quad's sum of P (cute.arch.warp_reduction_sum(x, threads_in_group=4)). Hints: docs/stages/01-single-tile.md")
     return row_sum
 # --8<-- [end:softmax]
@@ -148,7 +155,9 @@ def softmax_rows(acc_S: cute.Tensor, scale_log2: cutlass.Float32) -> cute.Tensor
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
-    # TODO(stage 1): Convert acc_S to dtype in a new register tensor (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
+    # TODO(stage 1): Convert acc_S to dtype in a new register tensor
+    #   (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then
+    #   return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
     raise NotImplementedError('TODO(stage 1) in scores_to_operand_a(): Convert acc_S to dtype in a new register tensor (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)). Hints: docs/stages/01-single-tile.md')
 # --8<-- [end:convert]
 

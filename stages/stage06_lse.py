@@ -104,7 +104,10 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
     before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom = cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode 2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first k-block only; then warpgroup.commit_group().
+    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom =
+    #   cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode
+    #   2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first
+    #   k-block only; then warpgroup.commit_group().
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -134,7 +137,10 @@ class WindowMask:
     @cute.jit
     def kv_block_range(self):
         """[n_block_min, n_block_max): the KV tiles with a visible key for some row of this tile."""
-        # [exercise 4] n_block_max: tiles up to the last row's last visible key (with a right bound, if cutlass.const_expr(self.has_right); capped by S_k and >= 0 with cutlass.min / cutlass.max); n_block_min: the tile of the first row's first visible key (with a left bound; >= 0, <= n_block_max).
+        # [exercise 4] n_block_max: tiles up to the last row's last visible key (with a right bound,
+        #   if cutlass.const_expr(self.has_right); capped by S_k and >= 0 with cutlass.min /
+        #   cutlass.max); n_block_min: the tile of the first row's first visible key (with a left
+        #   bound; >= 0, <= n_block_max).
         n_block_max = (self.seqlen_k + TILE_N - 1) // TILE_N
         n_block_min = cutlass.Int32(0)
         if cutlass.const_expr(self.has_right):
@@ -152,7 +158,8 @@ class WindowMask:
         """How many tiles of sink tokens lie below the window's range (visited first)."""
         count = cutlass.Int32(0)
         if cutlass.const_expr(self.has_sink_tokens):
-            # [exercise 5] count = the number of tiles that hold keys < num_sink_tokens, but at most n_block_min (cutlass.min): the window's range already has the others.
+            # [exercise 5] count = the number of tiles that hold keys < num_sink_tokens, but at most
+            #   n_block_min (cutlass.min): the window's range already has the others.
             count = cutlass.min((self.num_sink_tokens + TILE_N - 1) // TILE_N, n_block_min)
             # [/exercise]
         return count
@@ -180,7 +187,8 @@ class WindowMask:
         """Is ``key`` left of its row's window? Sink tokens never are."""
         outside = key < key_start
         if cutlass.const_expr(self.has_sink_tokens):
-            # [exercise 5] Sink tokens (key < self.num_sink_tokens) are exempt from the left bound: combine the two conditions with & (runtime Booleans: no Python `and`).
+            # [exercise 5] Sink tokens (key < self.num_sink_tokens) are exempt from the left bound:
+            #   combine the two conditions with & (runtime Booleans: no Python `and`).
             outside = outside & (key >= self.num_sink_tokens)
             # [/exercise]
         return outside
@@ -191,7 +199,11 @@ class WindowMask:
         s = rows_cols_view(acc_S)
         coord = rows_cols_view(tScS)
         key0 = n_block * TILE_N
-        # [exercise 4] For each row r (row = row0 + coord[r, 0][0]): key_end = S_k, or with a right bound cutlass.min(S_k, row + offset + right + 1); with a left bound key_start = row + offset - left; then every s[r, c] whose key (key0 + coord[r, c][1]) is outside [key_start, key_end) becomes -cutlass.Float32.inf (a runtime if per register; the bounds' presence is cutlass.const_expr(self.has_left / has_right)).
+        # [exercise 4] For each row r (row = row0 + coord[r, 0][0]): key_end = S_k, or with a right
+        #   bound cutlass.min(S_k, row + offset + right + 1); with a left bound key_start = row +
+        #   offset - left; then every s[r, c] whose key (key0 + coord[r, c][1]) is outside
+        #   [key_start, key_end) becomes -cutlass.Float32.inf (a runtime if per register; the
+        #   bounds' presence is cutlass.const_expr(self.has_left / has_right)).
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             row = self.row0 + coord[r, 0][0]
             key_end = self.seqlen_k
@@ -219,7 +231,11 @@ def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
     """
     s = rows_cols_view(acc_S)
     o = rows_cols_view(acc_O)
-    # [exercise 3] For each row r: the tile's row max (cute.arch.fmax over the thread's values, then cute.arch.warp_reduction_max(x, threads_in_group=4)); new_max = max(row_max[r], it); correction = cute.math.exp2((row_max[r] - new_max) * scale_log2, fastmath=True); P = cute.math.exp2(s * scale_log2 - new_max * scale_log2, fastmath=True) in place; row_sum[r] = row_sum[r] * correction + sum of P; O[r, :] *= correction; row_max[r] = new_max.
+    # [exercise 3] For each row r: the tile's row max (cute.arch.fmax over the thread's values, then
+    #   cute.arch.warp_reduction_max(x, threads_in_group=4)); new_max = max(row_max[r], it);
+    #   correction = cute.math.exp2((row_max[r] - new_max) * scale_log2, fastmath=True); P =
+    #   cute.math.exp2(s * scale_log2 - new_max * scale_log2, fastmath=True) in place; row_sum[r] =
+    #   row_sum[r] * correction + sum of P; O[r, :] *= correction; row_max[r] = new_max.
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         tile_max = s[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
@@ -254,7 +270,9 @@ def quad_allreduce(values: cute.Tensor, reduce):
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
-    # [exercise 1] Convert acc_S to dtype in a new register tensor (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
+    # [exercise 1] Convert acc_S to dtype in a new register tensor
+    #   (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then
+    #   return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
     rP = cute.make_rmem_tensor_like(acc_S, dtype)
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
@@ -268,7 +286,9 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     The copy completes on the buffer's "full" barrier, which ``producer_acquire``
     armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
     """
-    # [exercise 2] pipe.producer_acquire(state); cute.copy(tma_atom, source, destination, tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer state.index (mode 1 of tXsX); pipe.producer_commit(state).
+    # [exercise 2] pipe.producer_acquire(state); cute.copy(tma_atom, source, destination,
+    #   tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer
+    #   state.index (mode 1 of tXsX); pipe.producer_commit(state).
     pipe.producer_acquire(state)
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
@@ -283,7 +303,9 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     Waits for the K buffer to be full and releases it as soon as the WGMMAs
     that read it have completed, so the producer can refill it early.
     """
-    # [exercise 2] pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer k_state.index (mode 3 of tSrK); warpgroup.wait_group(0); pipeline_k.consumer_release(k_state).
+    # [exercise 2] pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer
+    #   k_state.index (mode 3 of tSrK); warpgroup.wait_group(0);
+    #   pipeline_k.consumer_release(k_state).
     pipeline_k.consumer_wait(k_state)
     warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
     warpgroup.wait_group(0)
@@ -303,7 +325,10 @@ def attend_kv_tiles(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
                     n_block_min: cutlass.Int32, mask: WindowMask, row_max: cute.Tensor, row_sum: cute.Tensor,
                     scale_log2: cutlass.Float32, dtype: cutlass.Constexpr):
     """One pass over the visible KV tiles: online softmax, O += P V, row sums."""
-    # [exercise 3] For every KV tile (a runtime loop: cutlass.range(..., unroll=1)): tile_scores and k_state.advance(); online_softmax; P as the A operand (scores_to_operand_a); pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False); warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance().
+    # [exercise 3] For every KV tile (a runtime loop: cutlass.range(..., unroll=1)): tile_scores and
+    #   k_state.advance(); online_softmax; P as the A operand (scores_to_operand_a);
+    #   pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False);
+    #   warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance().
     kv_block = mask.kv_block  # (a runtime loop may not carry the mask object; its bound method is fine)
     for i in cutlass.range(n_tiles, unroll=1):
         n_block = kv_block(i, n_sink_blocks, n_block_min)
@@ -348,7 +373,8 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         inv_sum = rescale * cute.arch.rcp_approx(denominator)
         if denominator == 0.0:
             inv_sum = cutlass.Float32(0.0)
-        # TODO(stage 6): lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2 (log2(0) = -inf gives -inf for an empty row).
+        # TODO(stage 6): lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2 (log2(0)
+        #   = -inf gives -inf for an empty row).
         raise NotImplementedError('TODO(stage 6) in normalize_rows(): lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2 (log2(0) = -inf gives -inf for an empty row). Hints: docs/stages/06-lse.md')
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] *= inv_sum
@@ -359,7 +385,8 @@ def store_lse(lse: cute.Tensor, mLSE: cute.Tensor, tScS: cute.Tensor, row0: cutl
               head: cutlass.Int32, batch: cutlass.Int32, mma_tidx: cutlass.Int32):
     """Write every row's LSE to mLSE[batch, head, row]: each quad holds its rows 4 times, so its first thread writes."""
     coord = rows_cols_view(tScS)
-    # TODO(stage 6): If mma_tidx is the first thread of its quad (mma_tidx % 4 == 0): for each row r, row = row0 + coord[r, 0][0]; if row < seqlen_q, mLSE[batch, head, row] = lse[r].
+    # TODO(stage 6): If mma_tidx is the first thread of its quad (mma_tidx % 4 == 0): for each row r,
+    #   row = row0 + coord[r, 0][0]; if row < seqlen_q, mLSE[batch, head, row] = lse[r].
     raise NotImplementedError('TODO(stage 6) in store_lse(): If mma_tidx is the first thread of its quad (mma_tidx % 4 == 0): for each row r, row = row0 + coord[r, 0][0]; if row < seqlen_q, mLSE[batch, head, row] = lse[r]. Hints: docs/stages/06-lse.md')
 # --8<-- [end:normalize]
 
@@ -630,7 +657,10 @@ def merge_weights(lse_a: cutlass.Float32, lse_b: cutlass.Float32):
     total = exp(lse_a - M) + exp(lse_b - M), lse = M + log(total). An empty part
     (LSE -inf) weighs 0; two empty parts give weights 0 and LSE -inf, never NaN.
     """
-    # TODO(stage 6): top = cute.arch.fmax(lse_a, lse_b), 0 if it is -cutlass.Float32.inf; e = exp(lse - top) for both, as cute.math.exp2((lse - top) * LOG2_E, fastmath=True); total = e_a + e_b; lse = top + cute.math.log2(total, fastmath=False) * LN_2; weights e / total (cute.arch.rcp_approx), or 0 when total is 0.
+    # TODO(stage 6): top = cute.arch.fmax(lse_a, lse_b), 0 if it is -cutlass.Float32.inf; e = exp(lse
+    #   - top) for both, as cute.math.exp2((lse - top) * LOG2_E, fastmath=True); total = e_a + e_b;
+    #   lse = top + cute.math.log2(total, fastmath=False) * LN_2; weights e / total
+    #   (cute.arch.rcp_approx), or 0 when total is 0.
     raise NotImplementedError('TODO(stage 6) in merge_weights(): top = cute.arch.fmax(lse_a, lse_b), 0 if it is -cutlass.Float32.inf; e = exp(lse - top) for both, as cute.math.exp2((lse - top) * LOG2_E, fastmath=True); total = e_a + e_b; lse = top + cute.math.log2(total, fastmath=False) * LN_2; weights e / total (cute.arch.rcp_approx), or 0 when total is 0. Hints: docs/stages/06-lse.md')
     return e_a * inv_total, e_b * inv_total, lse
 

@@ -62,10 +62,10 @@ KV_STAGES = 2  # buffers in each of the K and V rings
 # MMA warpgroups (64 query rows each) by head dim. At D = 64 a tile's two GEMMs take half as long
 # as at D = 128 while its softmax takes as long, so one warpgroup's softmax outlasts the other's
 # GEMMs; FA3 and FA4 use a third warpgroup there (192-row tiles). With 512 threads ptxas has 128
-# registers per thread, and this kernel (persistent loop, masks, sinks) then spills: try 3 here.
+# registers per thread, and this kernel (persistent loop, masks, sinks) then spills.
 MMA_WARPGROUPS = {64: 2, 128: 2}
 # setmaxnreg per warpgroup count: 128 * producer + 128 * warpgroups * mma <= 64K registers.
-REGISTERS = {2: (24, 240), 3: (32, 160)}  # (producer, MMA)
+REGISTERS = {2: (24, 240)}  # (producer, MMA)
 SCHEDULER_THREADS = 256  # a ping-pong barrier: the warpgroup that waits and the one that hands over
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -153,7 +153,8 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
     before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: fence, then one cute.gemm per k-block (mode 2 of tCrA/tCrB) on mma_atom, ACCUMULATE off for the first k-block only, then commit the group.
+    # [exercise 1] Issue the WGMMAs: fence, then one cute.gemm per k-block (mode 2 of tCrA/tCrB) on
+    #   mma_atom, ACCUMULATE off for the first k-block only, then commit the group.
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -184,7 +185,9 @@ class WindowMask:
     @cute.jit
     def kv_block_range(self):
         """[n_block_min, n_block_max): the KV tiles with a visible key for some row of this tile."""
-        # [exercise 4] n_block_max: tiles up to the last row's last visible key (right side, capped by S_k, >= 0); n_block_min: the tile of the first row's first visible key (left side, >= 0, <= n_block_max).
+        # [exercise 4] n_block_max: tiles up to the last row's last visible key (right side, capped
+        #   by S_k, >= 0); n_block_min: the tile of the first row's first visible key (left side, >=
+        #   0, <= n_block_max).
         n_block_max = (self.seqlen_k + TILE_N - 1) // TILE_N
         n_block_min = cutlass.Int32(0)
         if cutlass.const_expr(self.has_right):
@@ -202,7 +205,8 @@ class WindowMask:
         """How many tiles of sink tokens lie below the window's range (visited first)."""
         count = cutlass.Int32(0)
         if cutlass.const_expr(self.has_sink_tokens):
-            # [exercise 5] The tiles that hold keys < num_sink_tokens, but only those below n_block_min (the window's range already has the others).
+            # [exercise 5] The tiles that hold keys < num_sink_tokens, but only those below
+            #   n_block_min (the window's range already has the others).
             count = cutlass.min((self.num_sink_tokens + TILE_N - 1) // TILE_N, n_block_min)
             # [/exercise]
         return count
@@ -270,7 +274,10 @@ class WindowMask:
         s = rows_cols_view(acc_S)
         coord = rows_cols_view(tScS)
         key0 = n_block * TILE_N
-        # [exercise 4] For each row r (row = row0 + coord[r, 0][0]): key_end = S_k, or with a right bound min(S_k, row + offset + right + 1); with a left bound key_start = row + offset - left; then every s[r, c] whose key (key0 + coord[r, c][1]) is outside [key_start, key_end) becomes -inf.
+        # [exercise 4] For each row r (row = row0 + coord[r, 0][0]): key_end = S_k, or with a right
+        #   bound min(S_k, row + offset + right + 1); with a left bound key_start = row + offset -
+        #   left; then every s[r, c] whose key (key0 + coord[r, c][1]) is outside [key_start,
+        #   key_end) becomes -inf.
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             row = self.row0 + coord[r, 0][0]
             key_end = self.seqlen_k
@@ -298,7 +305,10 @@ def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
     """
     s = rows_cols_view(acc_S)
     o = rows_cols_view(acc_O)
-    # [exercise 3] For each row r: the tile's row max (thread, then quad); new_max = max(row_max[r], it); correction = exp2((row_max[r] - new_max) * scale_log2); P = exp2(s * scale_log2 - new_max * scale_log2) in place; row_sum[r] = row_sum[r] * correction + sum of P; O[r, :] *= correction; row_max[r] = new_max.
+    # [exercise 3] For each row r: the tile's row max (thread, then quad); new_max = max(row_max[r],
+    #   it); correction = exp2((row_max[r] - new_max) * scale_log2); P = exp2(s * scale_log2 -
+    #   new_max * scale_log2) in place; row_sum[r] = row_sum[r] * correction + sum of P; O[r, :] *=
+    #   correction; row_max[r] = new_max.
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         tile_max = s[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
@@ -337,7 +347,9 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     The copy completes on the buffer's "full" barrier, which ``producer_acquire``
     armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
     """
-    # [exercise 2] producer_acquire(state); cute.copy tile n_block (mode 1 of tXgX) into buffer state.index (mode 1 of tXsX) with tma_bar_ptr=pipe.producer_get_barrier(state); producer_commit(state).
+    # [exercise 2] producer_acquire(state); cute.copy tile n_block (mode 1 of tXgX) into buffer
+    #   state.index (mode 1 of tXsX) with tma_bar_ptr=pipe.producer_get_barrier(state);
+    #   producer_commit(state).
     pipe.producer_acquire(state)
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
@@ -374,21 +386,24 @@ def pingpong_start(mma_wg: cutlass.Int32):
     arrive for it (bar.arrive): the warpgroup before it in the turn order,
     once its GEMMs are issued, or this call, once, at the start.
     """
-    # TODO(stage 8): MMA warpgroup 0 arrives (barrier_arrive) on its own scheduler barrier, SCHEDULER_WG1, with SCHEDULER_THREADS threads.
+    # TODO(stage 8): MMA warpgroup 0 arrives (barrier_arrive) on its own scheduler barrier,
+    #   SCHEDULER_WG1, with SCHEDULER_THREADS threads.
     raise NotImplementedError('TODO(stage 8) in pingpong_start(): MMA warpgroup 0 arrives (barrier_arrive) on its own scheduler barrier, SCHEDULER_WG1, with SCHEDULER_THREADS threads. Hints: docs/stages/08-fa3-prefill.md')
 
 
 @cute.jit
 def pingpong_wait(mma_wg: cutlass.Int32):
     """Block until it is this warpgroup's turn to issue GEMMs."""
-    # TODO(stage 8): bar.sync on this warpgroup's scheduler barrier (SCHEDULER_WG1 + mma_wg), SCHEDULER_THREADS threads.
+    # TODO(stage 8): bar.sync on this warpgroup's scheduler barrier (SCHEDULER_WG1 + mma_wg),
+    #   SCHEDULER_THREADS threads.
     raise NotImplementedError("TODO(stage 8) in pingpong_wait(): bar.sync on this warpgroup's scheduler barrier (SCHEDULER_WG1 + mma_wg), SCHEDULER_THREADS threads. Hints: docs/stages/08-fa3-prefill.md")
 
 
 @cute.jit
 def pingpong_pass(mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr):
     """This warpgroup's GEMMs are issued: hand the turn to the next warpgroup, without waiting."""
-    # TODO(stage 8): bar.arrive on the NEXT warpgroup's scheduler barrier (SCHEDULER_WG1 + (mma_wg + 1) % num_wgs), SCHEDULER_THREADS threads.
+    # TODO(stage 8): bar.arrive on the NEXT warpgroup's scheduler barrier (SCHEDULER_WG1 + (mma_wg +
+    #   1) % num_wgs), SCHEDULER_THREADS threads.
     raise NotImplementedError("TODO(stage 8) in pingpong_pass(): bar.arrive on the NEXT warpgroup's scheduler barrier (SCHEDULER_WG1 + (mma_wg + 1) % num_wgs), SCHEDULER_THREADS threads. Hints: docs/stages/08-fa3-prefill.md")
 # --8<-- [end:pingpong]
 
@@ -445,7 +460,11 @@ def overlapped_step(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
     under the P V. ``masked`` steps apply the mask to every score (a select each, no branch). The caller
     advances both pipeline states afterwards (a helper may not change the state objects)."""
     acc_S = cute.make_rmem_tensor_like(acc_S, cutlass.Float32)  # a fresh S each step: nothing flows into the next Q K^T
-    # TODO(stage 8): Wait for K, wait for this warpgroup's turn (pingpong_wait), issue S = Q K^T on the K buffer, wait for V, issue O += P V (zero_init=False) on the V buffer, pass the turn (pingpong_pass); wait_group(1) (S ready), release K; with masked, apply_mask; softmax_step (first=False) into row_scale; wait_group(0) (P V done), release V; only then P = S (rP.store) and O *= row_scale (rescale_rows).
+    # TODO(stage 8): Wait for K, wait for this warpgroup's turn (pingpong_wait), issue S = Q K^T on
+    #   the K buffer, wait for V, issue O += P V (zero_init=False) on the V buffer, pass the turn
+    #   (pingpong_pass); wait_group(1) (S ready), release K; with masked, apply_mask; softmax_step
+    #   (first=False) into row_scale; wait_group(0) (P V done), release V; only then P = S
+    #   (rP.store) and O *= row_scale (rescale_rows).
     raise NotImplementedError("TODO(stage 8) in overlapped_step(): Wait for K, wait for this warpgroup's turn (pingpong_wait), issue S = Q K^T on the K buffer, wait for V, issue O += P V (zero_init=False) on the V buffer, pass the turn (pingpong_pass); wait_group(1) (S ready), release K; with masked, apply_mask; softmax_step (first=False) into row_scale; wait_group(0) (P V done), release V; only then P = S (rP.store) and O *= row_scale (rescale_rows). Hints: docs/stages/08-fa3-prefill.md")
 # --8<-- [end:overlapped_step]
 
@@ -606,7 +625,8 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         inv_sum = rescale * cute.arch.rcp_approx(denominator)
         if denominator == 0.0:
             inv_sum = cutlass.Float32(0.0)
-        # [exercise 6] lse[r] = (top + log2(denominator)) * LN_2 (log2(0) = -inf gives -inf for an empty row).
+        # [exercise 6] lse[r] = (top + log2(denominator)) * LN_2 (log2(0) = -inf gives -inf for an
+        #   empty row).
         lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2
         # [/exercise]
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
@@ -618,7 +638,8 @@ def store_lse(lse: cute.Tensor, mLSE: cute.Tensor, tScS: cute.Tensor, row0: cutl
               head: cutlass.Int32, batch: cutlass.Int32, mma_tidx: cutlass.Int32):
     """Write every row's LSE to mLSE[batch, head, row]: each quad holds its rows 4 times, so its first thread writes."""
     coord = rows_cols_view(tScS)
-    # [exercise 6] If mma_tidx is the first thread of its quad: for each row r, row = row0 + coord[r, 0][0]; if row < seqlen_q, mLSE[batch, head, row] = lse[r].
+    # [exercise 6] If mma_tidx is the first thread of its quad: for each row r, row = row0 +
+    #   coord[r, 0][0]; if row < seqlen_q, mLSE[batch, head, row] = lse[r].
     if mma_tidx % 4 == 0:
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = row0 + coord[r, 0][0]
@@ -673,7 +694,8 @@ class TileScheduler:
         whose K and V fit in L2 together (at least 1)."""
         group = cutlass.Int32(1)
         if cutlass.const_expr(self.linear):
-            # TODO(stage 8): Double group while 2 * group pairs exist and their 2 * group * kv_blocks K and V tiles fit in l2_kv_blocks.
+            # TODO(stage 8): Double group while 2 * group pairs exist and their 2 * group * kv_blocks
+            #   K and V tiles fit in l2_kv_blocks.
             raise NotImplementedError('TODO(stage 8) in l2_group(): Double group while 2 * group pairs exist and their 2 * group * kv_blocks K and V tiles fit in l2_kv_blocks. Hints: docs/stages/08-fa3-prefill.md')
         return group
 
@@ -694,7 +716,11 @@ class TileScheduler:
         """(m_block, head, batch) of linear tile index ``tile`` (the block index without Step.PERSISTENT)."""
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.linear):
-            # TODO(stage 8): The tile's group of pairs: section = tile // (group * num_m_blocks), with heads_here = min(group, num_pairs - section * group) pairs (the last one may be short); rank = its place in the section; Q tile = rank // heads_here (reversed with longest_first), pair = section * group + rank % heads_here; then batch and head of the pair.
+            # TODO(stage 8): The tile's group of pairs: section = tile // (group * num_m_blocks), with
+            #   heads_here = min(group, num_pairs - section * group) pairs (the last one may be
+            #   short); rank = its place in the section; Q tile = rank // heads_here (reversed with
+            #   longest_first), pair = section * group + rank % heads_here; then batch and head of
+            #   the pair.
             raise NotImplementedError("TODO(stage 8) in coords(): The tile's group of pairs: section = tile // (group * num_m_blocks), with heads_here = min(group, num_pairs - section * group) pairs (the last one may be short); rank = its place in the section; Q tile = rank // heads_here (reversed with longest_first), pair = section * group + rank % heads_here; then batch and head of the pair. Hints: docs/stages/08-fa3-prefill.md")
         return m_block, head, batch
 # --8<-- [end:scheduler]

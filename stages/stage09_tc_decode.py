@@ -4,8 +4,8 @@ Compared with stage 7, this stage moves decode's dot products onto the
 tensor cores, with all the query heads of a KV head packed into the rows of
 one warp-level MMA, and reads an FP8 (e4m3) cache, because at 8 and more
 query heads per KV head stage 7's CUDA-core math, not memory, is the limit
-(0.71x of cuDNN at 64/8), and in a memory-bound kernel half the bytes per
-token is the biggest lever left.
+(its results on the page trail cuDNN there), and in a memory-bound kernel
+half the bytes per token is the biggest lever left.
 
 Everything around the math is stage 7's: one CTA per (sequence, KV head,
 split), K and V copied with cp.async into a shared-memory ring, STAGES - 1
@@ -37,8 +37,8 @@ for the next launch. What changes:
    visit D in any order and P V the keys in any order, each thread reads
    exactly the K and V elements its MMA fragments hold into compact
    fragments; Q is loaded once in the same order. (Copying only each lane's
-   own fragment elements made L2 serve K rows in 64-byte half lines: 54% L2
-   hit rate under ncu, ~0.85x of cuDNN; whole rows reach 0.96-1.0x.) At
+   own fragment elements made L2 serve K rows in 64-byte half lines, at a
+   low L2 hit rate: the page measures both.) At
    D = 256, Q's fragment waits in shared memory and P V runs in two halves,
    to fit the registers.
 3. FP8: the cache holds K / k_scale and V / v_scale in e4m3. The pieces are
@@ -56,8 +56,8 @@ for the next launch. What changes:
    128 splits took longer to fold than the cache took to read.
 6. A lazy running max: a warp moves its max only when a score exceeds it by
    more than RESCALE_THRESHOLD (in log2 units), so most iterations skip the
-   rescale of O: 12-19% of a warp's instructions per 16 keys at D = 128
-   (one tile: 426 -> 377; 4 row tiles: 236 -> 191).
+   rescale of O, and with it a share of a warp's instructions per 16 keys
+   ("Skipping the rescale" on the page counts them).
 
 Run it:
     python -m course check 9 --impl solutions   # this stage's tests
@@ -107,8 +107,8 @@ SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 # The automatic split count, measured on the H100 (docs/stages/09-tc-decode.md, "How many splits"):
-# for few sequences one (sequence, KV head) stream per SM, as one CTA streams about 45 GB/s and 132
-# of them outrun HBM (stage 7 aims at 2 CTAs), and no split under 4 loop iterations, whose fixed
+# for few sequences one (sequence, KV head) stream per SM, as 132 streaming CTAs already outrun HBM
+# (stage 7 aims at 2 CTAs), and no split under 4 loop iterations, whose fixed
 # cost (the first copies' latency, the merge, the arrival) a shorter split does not repay.
 MIN_KEYS_PER_SPLIT = 256
 # Short sequences (fewer than SHORT_SPLITS splits of MIN_KEYS_PER_SPLIT keys): splits of one 8-warp
@@ -169,11 +169,10 @@ def pick_row_tiles(batch: int, heads_kv: int, group_size: int, max_keys: int, nu
 
     The ceil(G / 16) CTAs of one tile each read the same keys, side by side
     (the grid makes them consecutive CTAs), so L2 serves most repeats and 4
-    times the warps work on the same keys: they win up to B = 8, L = 64k at
-    64/1 (99 us against 113 for one CTA of 4 tiles, H100). With a full GPU
-    the repeats cost: at B = 64, L = 32k, 4 tiles took 377 us and one tile
-    398; at L = 128k, 1450 against 1609. An FP8 cache follows the same rule
-    (B = 64: 344 against 391 us at 32k, 1460 against 1730 at 128k).
+    times the warps work on the same keys: they win while the GPU has CTA
+    slots to spare. With a full GPU the repeats cost, and one CTA of up to 4
+    tiles reads K and V once. An FP8 cache follows the same rule. "Row tiles"
+    on the page has the measurements behind the threshold.
     """
     tiles = row_tiles(group_size, head_dim)
     if tiles == 1:
@@ -314,7 +313,13 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
     D = 128), and a numerator stays below 2^RESCALE_THRESHOLD, which fp16 and
     bf16 hold with their full precision.
     """
-    # TODO(stage 9): Per row r in (0, 1): m_r = the max of row_max[r] and the row's 4 scores in this thread (values with score_row(v) == r), then over the quad (cute.arch.warp_reduction_max(m, threads_in_group=4)). While any thread of the warp has a row with m_r > row_max[r] + RESCALE_THRESHOLD (a while loop on cute.arch.vote_any_sync, not an if: it runs once at most): per row, correction = exp2(row_max[r] - m_r) (subtract 0 instead of m_r while it is -inf), rescale row_sum[r] and the row's O values, row_max[r] = m_r. Then per row: scores -> exp2(score - row_max[r]) (0 instead of row_max[r] while -inf), added to row_sum[r].
+    # TODO(stage 9): Per row r in (0, 1): m_r = the max of row_max[r] and the row's 4 scores in this
+    #   thread (values with score_row(v) == r), then over the quad (cute.arch.warp_reduction_max(m,
+    #   threads_in_group=4)). While any thread of the warp has a row with m_r > row_max[r] +
+    #   RESCALE_THRESHOLD (a while loop on cute.arch.vote_any_sync, not an if: it runs once at
+    #   most): per row, correction = exp2(row_max[r] - m_r) (subtract 0 instead of m_r while it is
+    #   -inf), rescale row_sum[r] and the row's O values, row_max[r] = m_r. Then per row: scores ->
+    #   exp2(score - row_max[r]) (0 instead of row_max[r] while -inf), added to row_sum[r].
     raise NotImplementedError("TODO(stage 9) in online_softmax_update(): Per row r in (0, 1): m_r = the max of row_max[r] and the row's 4 scores in this thread (values with score_row(v) == r), then over the quad (cute.arch.warp_reduction_max(m, threads_in_group=4)). While any thread of the warp has a row with m_r > row_max[r] + RESCALE_THRESHOLD (a while loop on cute.arch.vote_any_sync, not an if: it runs once at most): per row, correction = exp2(row_max[r] - m_r) (subtract 0 instead of m_r while it is -inf), rescale row_sum[r] and the row's O values, row_max[r] = m_r. Then per row: scores -> exp2(score - row_max[r]) (0 instead of row_max[r] while -inf), added to row_sum[r]. Hints: docs/stages/09-tc-decode.md")
 # --8<-- [end:softmax]
 
@@ -552,7 +557,8 @@ class TensorCoreDecode:
                 chunk = 4 * (first_piece + p) + kq
                 piece = self.piece_to_registers(sK[row, swizzle(row, self.chunks) ^ chunk, None])
                 for e in cutlass.range_constexpr(elems):
-                    # TODO(stage 9): Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8).
+                    # TODO(stage 9): Value e % 4 of key block j, column block p * elems // 4 + e // 4
+                    #   (r_k is compact: strides 1, 4, 8).
                     raise NotImplementedError('TODO(stage 9) in k_fragment(): Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8). Hints: docs/stages/09-tc-decode.md')
 
     @cute.jit
@@ -575,7 +581,8 @@ class TensorCoreDecode:
                 chunk = sV[row, swizzle(row, self.chunks) ^ (start // self.k_elems), None]
                 piece = self.piece_to_registers(cute.local_tile(chunk, (elems,), ((start % self.k_elems) // elems,)))
                 for e in cutlass.range_constexpr(elems):
-                    # TODO(stage 9): Value slot of column block p * elems + e (r_v is compact: strides 1, 4).
+                    # TODO(stage 9): Value slot of column block p * elems + e (r_v is compact: strides
+                    #   1, 4).
                     raise NotImplementedError('TODO(stage 9) in v_fragment(): Value slot of column block p * elems + e (r_v is compact: strides 1, 4). Hints: docs/stages/09-tc-decode.md')
     # --8<-- [end:to_registers]
 
@@ -726,7 +733,9 @@ class TensorCoreDecode:
                 piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
                 piece.store(raw.load().to(self.mma_dtype))
                 for e in cutlass.range_constexpr(self.k_elems):
-                    # TODO(stage 9): Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8).
+                    # TODO(stage 9): Column e % 4 of column block p * E / 4 + e // 4 (as in
+                    #   k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact:
+                    #   block stride 8).
                     raise NotImplementedError('TODO(stage 9) in kernel(): Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8). Hints: docs/stages/09-tc-decode.md')
         # [row tile, lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
         s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
@@ -1040,11 +1049,10 @@ def pick_warps(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sm
                cache_dtype: str = "float16", tiles: int = 1) -> int:
     """8 warps per CTA when a launch of 8-warp CTAs (with its own split count) has at most one CTA per
     SM, else 4: few or short sequences, where a CTA's 4 warps, one per scheduler, each wait on
-    their own latencies and nothing else runs on the SM. Measured on the H100 ("Eight warps" on the
-    page): B = 1, L = 32k, 64/1 from 18.2 to 15.4 us, 8/1 from 12.7 to 11.7 us; where 4-warp CTAs
-    fill two per SM it loses (B = 64, L = 4k, 64/1: 55.2 -> 63.3 us). Row tiles take 8 warps too, as
-    their split count fills one 8-warp CTA per SM: two key groups of 4 warps, each on its own barrier
-    (B = 8, L = 128k, 64/1: 223 -> 201 us). D = 256 keeps 4: 8 warps' ring does not fit in shared memory."""
+    their own latencies and nothing else runs on the SM; where 4-warp CTAs fill two per SM, 8 warps
+    lose ("Eight warps when the GPU is not full" on the page measures both). Row tiles take 8 warps
+    too, as their split count fills one 8-warp CTA per SM: two key groups of 4 warps, each on its own
+    barrier. D = 256 keeps 4: 8 warps' ring does not fit in shared memory."""
     if head_dim > 128:
         return 4
     ctas = batch * heads_kv * head_chunks(group_size, tiles)

@@ -435,3 +435,14 @@ LAUNCHES OK
     assert not result.clean and "1 kernel findings" in result.line()
     clean = sanitize.classify("racecheck", "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", 0)
     assert clean.clean and clean.summary_count == 0
+
+
+def test_a_hint_continues_on_indented_comment_lines():
+    """Comment lines right after an opening marker, two spaces further in, continue its hint: the TODO keeps
+    the lines, the NotImplementedError's message joins them."""
+    solution = ("def f():\n    # [exercise 3] The first line\n    #   and the second.\n    # a comment of the code\n"
+                "    return 1\n    # [/exercise]\n")
+    text = skeleton.skeleton_source(solution, 3, "stages/03-online-softmax.md")
+    assert "    # TODO(stage 3): The first line\n    #   and the second.\n    raise NotImplementedError(" in text
+    assert "in f(): The first line and the second. Hints: docs/stages/03-online-softmax.md" in text
+    assert "a comment of the code" not in text and "return 1" not in text
