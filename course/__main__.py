@@ -1,8 +1,8 @@
-"""The course command line: ``python -m course COMMAND``.
+"""The course command line: python -m course COMMAND.
 
 Commands: status, check N, reset N, bench, model-bench, host-bench, sanitize, sass N, notebooks, skeletons, diffs.
 
-Run ``python -m course COMMAND --help`` for what a command does and its options.
+Run "python -m course COMMAND --help" for what a command does and its options.
 """
 
 from __future__ import annotations
@@ -126,6 +126,9 @@ def parser() -> argparse.ArgumentParser:
                            help="run every cell (required: notebooks/ itself stays without outputs)")
     notebooks.add_argument("--out", default=None,
                            help="folder for the executed copies (default: docs/notebooks-executed/)")
+    notebooks.add_argument("--force", action="store_true",
+                           help="without a GPU, write over docs/notebooks-executed/ all the same (its copies "
+                                "then show CPU skip messages instead of the GPU cells' outputs)")
 
     sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)",
                    description="Write docs/diffs/stageNN-stageMM.diff for every prefill solution against the one "
@@ -216,8 +219,16 @@ def main(argv=None) -> int:
         from pathlib import Path
 
         from course import notebooks as notebooks_mod
+        from course.testing import gpu_skip_reason
 
-        for path in notebooks_mod.write_executed(Path(args.out) if args.out else notebooks_mod.EXECUTED_DIR):
+        out_dir = Path(args.out) if args.out else notebooks_mod.EXECUTED_DIR
+        reason = gpu_skip_reason()
+        if reason and out_dir.resolve() == notebooks_mod.EXECUTED_DIR.resolve() and not args.force:
+            print(f"Not executing into {out_dir}: {reason}. The copies there hold the GPU cells' outputs the "
+                  "site shows; run here, they would hold CPU skip messages instead. Write elsewhere with "
+                  "--out DIR, or replace them anyway with --force.")
+            return 1
+        for path in notebooks_mod.write_executed(out_dir):
             print(f"wrote {path}")
         return 0
     if args.command == "diffs":

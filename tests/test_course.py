@@ -446,3 +446,40 @@ def test_a_hint_continues_on_indented_comment_lines():
     assert "    # TODO(stage 3): The first line\n    #   and the second.\n    raise NotImplementedError(" in text
     assert "in f(): The first line and the second. Hints: docs/stages/03-online-softmax.md" in text
     assert "a comment of the code" not in text and "return 1" not in text
+
+
+def test_executing_notebooks_without_a_gpu_keeps_the_sites_copies(monkeypatch, capsys):
+    """`course notebooks --execute` on a machine without a Hopper GPU would replace the executed copies'
+    GPU outputs with CPU skip messages: it refuses, unless told where else to write, or forced."""
+    from course import notebooks, testing
+
+    monkeypatch.setattr(testing, "gpu_skip_reason", lambda: "no CUDA GPU on this machine")
+    monkeypatch.setattr(notebooks, "write_executed", lambda out_dir: pytest.fail("it executed the notebooks"))
+    assert main(["notebooks", "--execute"]) == 1
+    assert "--out DIR" in capsys.readouterr().out
+
+
+def test_reset_backups_are_ignored_by_git():
+    """`course reset` and `course skeletons --force` keep the learner's file next to the skeleton: git
+    ignores those backups, so they never show as untracked work."""
+    import subprocess
+
+    backup = "stages/stage04_masking.py.bak-20260101-120000"
+    ignored = subprocess.run(["git", "-C", str(stages.ROOT), "check-ignore", "-q", backup])
+    assert ignored.returncode == 0, f"git does not ignore {backup}: add /stages/*.bak-* to .gitignore"
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out, "course --help prints reStructuredText markup literally"
+
+
+def test_the_code_and_the_docs_carry_a_license():
+    """A presenter may reuse the pages and notebooks, a model author ship the kernels: both licenses are in
+    the repository, the README names them and the CuTe DSL's own license."""
+    root = stages.ROOT
+    assert "BSD 3-Clause" in (root / "LICENSE").read_text()
+    assert "(CC BY 4.0)" in (root / "LICENSE-docs").read_text()
+    readme = " ".join((root / "README.md").read_text().split())
+    assert "`LICENSE`" in readme and "`LICENSE-docs`" in readme and "NVIDIA's own license" in readme
