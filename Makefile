@@ -6,8 +6,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch
-# A package index for PyTorch alone, e.g. https://download.pytorch.org/whl/cpu for a CPU build anywhere.
-TORCH_INDEX ?=
+# A package index for PyTorch alone. Without an NVIDIA driver on this machine, PyTorch's CPU index (plain
+# `torch` from PyPI is a CUDA build of several GB); set TORCH_INDEX (empty: the default index) to choose.
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+NVIDIA_DRIVER := $(shell { test -e /proc/driver/nvidia/version || command -v nvidia-smi; } >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(if $(NVIDIA_DRIVER),,$(CPU_INDEX))
+CPU_NOTE := No NVIDIA driver here: PyTorch's CPU build, from $(CPU_INDEX) (TORCH_INDEX chooses another index)
 BIN := $(VENV)/bin
 READY := $(VENV)/.ready
 TORCH_CHOICE := $(VENV)/.torch-choice
@@ -41,8 +45,16 @@ $(TORCH_CHOICE): FORCE
 	@mkdir -p $(VENV)
 	@echo '$(TORCH_SPEC) $(TORCH_INDEX)' | cmp -s - $@ || echo '$(TORCH_SPEC) $(TORCH_INDEX)' > $@
 
+# A changed PyTorch choice gets a fresh environment: one build's libraries (CUDA's are GBs) never stay behind.
 $(READY): pyproject.toml $(CONSTRAINTS) $(TORCH_CHOICE)
+	@if [ -f $(VENV)/.torch-installed ] && ! cmp -s $(TORCH_CHOICE) $(VENV)/.torch-installed; then \
+	  echo "PyTorch choice changed from '$$(cat $(VENV)/.torch-installed)': a fresh $(VENV)"; \
+	  rm -rf $(VENV); mkdir -p $(VENV); echo '$(TORCH_SPEC) $(TORCH_INDEX)' > $(TORCH_CHOICE); fi
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	@$(if $(NVIDIA_DRIVER),,$(if $(filter $(CPU_INDEX),$(TORCH_INDEX)),echo "$(CPU_NOTE)"))
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)" \
+	  $(if $(TORCH_INDEX),|| { echo "$(TORCH_INDEX) did not serve $(TORCH_SPEC): from the default index instead"; \
+	  $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; })
 	$(BIN)/python -m pip install --quiet --constraint $(CONSTRAINTS) -e ".[dev,models]"
+	cp $(TORCH_CHOICE) $(VENV)/.torch-installed
 	touch $(READY)

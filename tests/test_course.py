@@ -1,6 +1,8 @@
 """Checks of the shared course code: the reference against brute force, the skeletons, the benchmark plan."""
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -483,3 +485,27 @@ def test_the_code_and_the_docs_carry_a_license():
     assert "(CC BY 4.0)" in (root / "LICENSE-docs").read_text()
     readme = " ".join((root / "README.md").read_text().split())
     assert "`LICENSE`" in readme and "`LICENSE-docs`" in readme and "NVIDIA's own license" in readme
+
+
+def make_dry_run(*arguments: str) -> str:
+    """What `make` would run to set .venv up in a fresh copy (a dry run: nothing is installed)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_INDEX", "TORCH_SPEC")}
+    return subprocess.run(["make", "-n", "-B", "VENV=/nonexistent/venv", "/nonexistent/venv/.ready", *arguments],
+                          cwd=stages.ROOT, env=env, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi") is not None,
+                    reason="this machine has an NVIDIA driver: make installs the default (CUDA) build here")
+def test_setup_without_a_driver_takes_the_cpu_build():
+    """No NVIDIA driver: PyTorch's CPU index, said aloud, with the default index as the fallback; TORCH_INDEX
+    (even empty) overrides; the installed choice is recorded so that a change starts a fresh .venv."""
+    cpu = "https://download.pytorch.org/whl/cpu"
+    plan = make_dry_run("TORCH_SPEC=torch==2.13.0")
+    assert "No NVIDIA driver here" in plan and f'--index-url {cpu} "torch==2.13.0"' in plan
+    assert f'|| {{ echo "{cpu} did not serve torch==2.13.0: from the default index instead"' in plan
+    assert "cp /nonexistent/venv/.torch-choice /nonexistent/venv/.torch-installed" in plan
+    assert "rm -rf /nonexistent/venv" in plan  # when the recorded choice differs
+    default = make_dry_run("TORCH_SPEC=torch==2.13.0", "TORCH_INDEX=")
+    assert "--index-url" not in default and "No NVIDIA driver" not in default
