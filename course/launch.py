@@ -232,9 +232,11 @@ def decode_workspace(device, numel: int):
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     work = _WORKSPACES.get(key)
     if work is None or work.numel() < numel:
+        # At least twice the size it replaces: the buffers kept for graphs then add up to less than the new one.
+        size = max(numel, 1 << 16, 2 * work.numel() if work is not None else 0)
         if work is not None:
             _RETIRED.append(work)  # a captured CUDA graph may still use it: never free it
-        work = persistent(device, lambda: torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=device))
+        work = persistent(device, lambda: torch.empty(size, dtype=torch.float32, device=device))
         _WORKSPACES[key] = work
     return work
 
