@@ -23,7 +23,7 @@ help:  ## this list
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## /  make \1\t/' | expand -t 20
 	@echo "  variables: TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(TORCH_INDEX) (see README.md)"
 
-status: $(READY)  ## the table of stages: TODOs left, sm_90a cross-compile; on a Hopper GPU numerics and speed
+status: $(READY)  ## the table of stages: TODOs left, sm_90a cross-compile, CPU numerics; on a Hopper GPU numerics and speed
 	$(BIN)/python -m course status
 
 test: $(READY)  ## lint (ruff), then the whole test suite (GPU tests run on Hopper, skipped with the reason elsewhere)
@@ -52,7 +52,7 @@ $(READY): pyproject.toml $(CONSTRAINTS) $(TORCH_CHOICE)
 	  rm -rf $(VENV); mkdir -p $(VENV); echo '$(TORCH_SPEC) $(TORCH_INDEX)' > $(TORCH_CHOICE); fi
 	$(PYTHON) -m venv $(VENV)
 	@$(if $(NVIDIA_DRIVER),,$(if $(filter $(CPU_INDEX),$(TORCH_INDEX)),echo "$(CPU_NOTE)"))
-	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)" \
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --retries 1) "$(TORCH_SPEC)" \
 	  $(if $(TORCH_INDEX),|| { echo "$(TORCH_INDEX) did not serve $(TORCH_SPEC): from the default index instead"; \
 	  $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"; })
 	$(BIN)/python -m pip install --quiet --constraint $(CONSTRAINTS) -e ".[dev,models]"

@@ -44,10 +44,11 @@ def parser() -> argparse.ArgumentParser:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
 
-    sub.add_parser("status", help="the table of all stages: TODOs left, sm_90a cross-compile, GPU numerics and speed",
+    sub.add_parser("status", help="the table of all stages: TODOs left, sm_90a cross-compile, CPU numerics, GPU numerics and speed",
                    description="One row per stage and implementation: TODOs left, whether it cross-compiles for "
-                               "sm_90a (with registers and shared memory), and on a Hopper GPU a numerics check and "
-                               "the throughput next to PyTorch's cuDNN attention. The default command.")
+                               "sm_90a (with registers and spills), whether its CPU numerics pass, and on a Hopper "
+                               "GPU a numerics check and the throughput next to PyTorch's cuDNN attention. A file "
+                               "that does not parse or import gets a row that says so. The default command.")
 
     check = sub.add_parser("check", help="run one stage's tests against your code in stages/ (or the solutions)",
                            description="Run tests/test_stageNN_*.py with pytest against stages/ (yours) or "

@@ -18,7 +18,23 @@ console = Console()
 
 
 def todos_left(stage: stages.Stage, impl: str) -> int:
-    return len(re.findall(rf"TODO\(stage {stage.number}\)", stage.path(impl).read_text())) // 2
+    """The stage's TODO comments still in the file (one per unfinished region; its hint may go on for lines)."""
+    return len(re.findall(rf"^\s*# TODO\(stage {stage.number}\)", stage.path(impl).read_text(), re.MULTILINE))
+
+
+def syntax_error(path: Path) -> str | None:
+    """``path:line: SyntaxError: message`` when the file does not parse, else None."""
+    try:
+        compile(path.read_text(), str(path), "exec")
+    except SyntaxError as error:
+        return f"{path.relative_to(stages.ROOT).as_posix()}:{error.lineno}: SyntaxError: {error.msg}"
+    return None
+
+
+def _todo_name(error: NotImplementedError) -> str:
+    """The function a TODO's message names ("TODO(stage 3) in online_softmax(): ...")."""
+    found = re.search(r"TODO\(stage \d+\) in (\w+)\(\)", str(error))
+    return f"{found[1]}()" if found else "a TODO"
 
 
 def _compile_cell(module) -> str:
@@ -26,10 +42,28 @@ def _compile_cell(module) -> str:
     try:
         report = module.cross_compile_config(module.KERNEL_CONFIGS[-1])
     except NotImplementedError as error:
-        return f"[yellow]stops at TODO[/] ({str(error).split(':')[0].split(' in ')[-1]})"
+        return f"[yellow]TODO[/] in {_todo_name(error)}"
     except Exception as error:  # a learner's trace error is the useful thing to show
-        return f"[red]fails[/]: {type(error).__name__}: {str(error).splitlines()[0][:60]}"
-    return f"[green]yes[/] ({report.summary()})"
+        return f"[red]fails[/]: {type(error).__name__}"
+    return f"[green]yes[/] ({report.registers} regs, {report.spill_bytes} B spill)"
+
+
+def _cpu_numerics_cell(stage: stages.Stage, impl: str) -> str:
+    """The stage's CPU numerics tests (``on_cpu``) on ``impl``: pass, fail, or the TODO they stop at."""
+    import pytest
+
+    if not stage.cpu_numerics:
+        return "-"
+    collector = _Collector(None)
+    test_file = stages.ROOT / "tests" / f"test_{stage.module_name}.py"
+    with redirect_stdout(io.StringIO()):
+        pytest.main(pytest_arguments(test_file, impl, "on_cpu", exitfirst=False, verbose=False), plugins=[collector])
+    if not collector.failed:
+        return f"[green]pass[/] ({len(collector.passed)})" if collector.passed else "-"
+    real = [r for r in collector.failed if not _is_todo(r)]
+    if real:
+        return f"[red]fail[/] ({len(real)} of {len(collector.passed) + len(collector.failed)})"
+    return "[yellow]TODO[/]"
 
 
 def _gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
@@ -99,35 +133,56 @@ def gpu_columns_note(reason: str) -> str:
     return f"GPU columns left out: {reason}."
 
 
+STATUS_WIDTH = 100  # the table is laid out for 100 columns, whatever the terminal reports
+
+
+def _stage_cells(stage: stages.Stage, impl: str, gpu: bool, spinner) -> list[str]:
+    """The cells after the TODO count: cross-compile, CPU numerics, and with a GPU its numerics and speed.
+    A file that does not parse or import gets one cell that says so, the others "-"."""
+    columns = 4 if gpu else 2
+    broken = syntax_error(stage.path(impl))
+    if broken is None:
+        try:
+            with redirect_stdout(io.StringIO()):
+                module = stage.load(impl)
+        except Exception as error:
+            broken = f"does not import: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if broken is not None:
+        return [f"[red]{escape(broken)}[/]", *["-"] * (columns - 1)]
+    spinner.update(f"stage {stage.number} ({impl}): cross-compiling for sm_90a...")
+    with redirect_stdout(io.StringIO()):
+        cells = [_compile_cell(module)]
+    spinner.update(f"stage {stage.number} ({impl}): CPU numerics...")
+    cells.append(_cpu_numerics_cell(stage, impl))
+    if gpu:
+        spinner.update(f"stage {stage.number} ({impl}): running on the GPU...")
+        with redirect_stdout(io.StringIO()):
+            cells += list(_decode_gpu_cells(stage, module) if stage.kind == "decode" else _gpu_cells(stage, module))
+    return cells
+
+
 def status() -> int:
     gpu_reason = testing.gpu_skip_reason()
     table = Table(title="Hopper FMHA course: stages", show_lines=True)
-    for column in ("#", "stage", "adds", "code", "TODOs left", "cross-compiles (sm_90a)"):
-        table.add_column(column)
+    for column in ("#", "stage", "code", "TODOs", "compiles (sm_90a)", "CPU numerics"):
+        table.add_column(column, no_wrap=column in ("code", "TODOs", "compiles (sm_90a)"))
     if gpu_reason is None:
-        table.add_column("numerics (H100)")
-        table.add_column("throughput")
-    with console.status("compiling...") as spinner:
+        table.add_column("numerics (GPU)")
+        table.add_column("speed")
+    out = Console(width=STATUS_WIDTH)
+    with out.status("compiling...") as spinner:
         for stage in stages.STAGES:
             if not stage.ready:
-                table.add_row(str(stage.number), stage.title, stage.adds, "planned", "-", "-",
+                table.add_row(str(stage.number), stage.title, "planned", "-", "-", "-",
                               *(["-", "-"] if gpu_reason is None else []))
                 continue
             for impl in ("stages", "solutions"):
-                spinner.update(f"stage {stage.number} ({impl}): cross-compiling for sm_90a...")
-                with redirect_stdout(io.StringIO()):
-                    module = stage.load(impl)
-                    cells = [_compile_cell(module)]
-                    if gpu_reason is None:
-                        spinner.update(f"stage {stage.number} ({impl}): running on the GPU...")
-                        cells += list(_decode_gpu_cells(stage, module) if stage.kind == "decode"
-                                      else _gpu_cells(stage, module))
-                table.add_row(str(stage.number), stage.title, stage.adds, f"{impl}/",
-                              str(todos_left(stage, impl)), *cells)
-    console.print(table)
+                table.add_row(str(stage.number), stage.title, f"{impl}/", str(todos_left(stage, impl)),
+                              *_stage_cells(stage, impl, gpu_reason is None, spinner))
+    out.print(table)
     if gpu_reason:
-        console.print(gpu_columns_note(gpu_reason))
-    console.print(f"Next: [bold]{stages.COURSE_COMMAND} check 1[/] runs stage 1's tests on your code in stages/.")
+        out.print(gpu_columns_note(gpu_reason))
+    out.print(f"Next: [bold]{stages.COURSE_COMMAND} check 1[/] runs stage 1's tests on your code in stages/.")
     return 0
 
 
@@ -200,6 +255,17 @@ def error_message(report) -> str:
     return "\n".join(kept)
 
 
+def _is_todo(report) -> bool:
+    """Did the test fail on a TODO not written yet (the skeleton's NotImplementedError)?"""
+    return "NotImplementedError: TODO(stage" in _report_text(report)
+
+
+def first_to_fix(failed: list):
+    """The failure to show first: a wrong result or an error of the learner's own code beats a TODO that is
+    simply not written yet (which the later tests reach first), else the first failure."""
+    return next((report for report in failed if not _is_todo(report)), failed[0])
+
+
 def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
     lines.print(f"[red]Not there yet.[/] First thing to fix ({escape(report.nodeid.split('::')[-1])}):")
     path = stage.path(impl)
@@ -269,6 +335,16 @@ def check(number: int, impl: str, *, keyword: str | None = None, exitfirst: bool
         lines.print(f"Stage {number} ({stage.title}) is planned and has no tests yet.")
         return 2
     test_file = stages.ROOT / "tests" / f"test_{stage.module_name}.py"
+    broken = syntax_error(stage.path(impl))
+    if broken is not None:  # every test would fail on the import, each under its own name
+        lines.print(f"[red]Not there yet.[/] {stage.path(impl).relative_to(stages.ROOT).as_posix()} does not parse:",
+                    markup=True)
+        lines.print(broken, markup=False)
+        source = stage.path(impl).read_text().splitlines()
+        line = int(broken.split(":")[1])
+        if 1 <= line <= len(source):
+            lines.print(f"    {source[line - 1].strip()}", markup=False)
+        return 1
     progress = None if verbose else Console(file=sys.stdout, soft_wrap=True, highlight=False)  # before the redirect
     collector = _Collector(progress)
     lines.print(f"Checking stage {number} ({stage.title}) against [bold]{impl}/{stage.module_name}.py[/] ...")
@@ -280,7 +356,7 @@ def check(number: int, impl: str, *, keyword: str | None = None, exitfirst: bool
     if collector.skipped and testing.gpu_skip_reason():
         lines.print(f"[yellow]Skipped GPU tests[/]: {testing.gpu_skip_reason()}.")
     if failed:
-        _print_first_failure(stage, impl, collector.failed[0])
+        _print_first_failure(stage, impl, first_to_fix(collector.failed))
         return 1
     if code != 0:
         lines.print("[red]pytest could not run the tests[/] (see `.venv/bin/python -m pytest "
