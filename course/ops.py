@@ -101,8 +101,7 @@ def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_tabl
                                            num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
                                            stage=_backing.decode)
     if check_lengths is not False:
-        validation.check_decode_lengths(cache_seqlens, block_table, shape)
-        validation.check_kv_scale_values(k_scale, v_scale)
+        validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale)
     return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                       softmax_scale=softmax_scale, window_size_left=window_size_left,
                                       sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, k_scale=k_scale,
