@@ -8,7 +8,8 @@ GPT-OSS itself (64 query heads over 8 KV heads, head dim 64, sink logits, 128-to
 other layer, 4 experts per token, hidden size 2880, its 201k vocabulary) with 8 layers instead of 24,
 and a Llama with the same attention shapes and no sinks or windows. In bfloat16: the whole forward
 is timed, Python and every layer included, with CUDA events after warm-up (the median of
-``repeats`` runs). Prefill is one forward over a prompt of B=1 into a fresh cache; decode is the time
+``repeats`` runs; in eager mode the backends take turns, one run each per round, since a decode step
+is mostly Python and the machine's speed drifts). Prefill is one forward over a prompt of B=1 into a fresh cache; decode is the time
 per token of ``DECODE_STEPS`` one-token steps after a prompt, at B=1 and B=8, run two ways: eagerly
 over a DynamicCache (as ``generate`` does by default), and over a StaticCache with the forward
 compiled by ``torch.compile(mode="reduce-overhead")``, whose CUDA graphs replay each step (as
@@ -49,26 +50,30 @@ def bench_configs() -> dict:
     return {"gpt-oss": models.gpt_oss_config(**shapes), "llama": models.llama_config(**shapes)}
 
 
-def time_prefill(model, ids, repeats: int) -> float:
-    """Median milliseconds of one forward over ``ids`` into a fresh DynamicCache."""
+def prefill_sample(model, ids):
+    """One sample: milliseconds of one forward over ``ids`` into a fresh DynamicCache."""
     import transformers
 
-    return bench.time_cuda(lambda: model(ids, past_key_values=transformers.DynamicCache(config=model.config),
-                                         use_cache=True), warmup=2, repeats=repeats)
+    def sample():
+        cache = transformers.DynamicCache(config=model.config)
+        return _timed(lambda: model(ids, past_key_values=cache, use_cache=True))
+
+    return sample
 
 
-def time_decode(model, prompt_ids, step_ids, repeats: int, warmup: int = 2) -> float:
-    """Median milliseconds per token of one-token steps (``step_ids`` [B, steps]) after ``prompt_ids``,
+def decode_sample(model, prompt_ids, step_ids):
+    """One sample: milliseconds per token of one-token steps (``step_ids`` [B, steps]) after ``prompt_ids``,
     run eagerly over a DynamicCache."""
     import transformers
 
-    return _per_token(lambda: transformers.DynamicCache(config=model.config), model, model, prompt_ids, step_ids,
-                      repeats, warmup)
+    return partial(_per_token, lambda: transformers.DynamicCache(config=model.config), model, model, prompt_ids,
+                   step_ids)
 
 
-def time_decode_static(model, prompt_ids, step_ids, repeats: int, warmup: int = 2) -> float:
-    """Like ``time_decode``, over a StaticCache, the steps run by ``torch.compile(mode="reduce-overhead")``
-    (CUDA-graph trees: after the first steps, each is a graph replay); the prompt runs eagerly."""
+def static_decode_sample(model, prompt_ids, step_ids):
+    """Like ``decode_sample``, over a StaticCache, the steps run by ``torch.compile(mode="reduce-overhead")``
+    (CUDA-graph trees: after the first steps, each is a graph replay); the prompt runs eagerly. Made
+    once per backend: making it compiles."""
     import torch
     import transformers
 
@@ -82,31 +87,39 @@ def time_decode_static(model, prompt_ids, step_ids, repeats: int, warmup: int = 
         cache.reset()
         return cache
 
-    return _per_token(fresh, model, compiled, prompt_ids, step_ids, repeats, warmup)
+    return partial(_per_token, fresh, model, compiled, prompt_ids, step_ids)
 
 
-def _per_token(make_cache, prefill, step, prompt_ids, step_ids, repeats: int, warmup: int) -> float:
+def _timed(fn) -> float:
     import torch
 
-    per_token = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _per_token(make_cache, prefill, step, prompt_ids, step_ids) -> float:
+    import torch
+
     prompt = prompt_ids.shape[1]
-    for _ in range(warmup + repeats):
-        cache = make_cache()
-        prefill(prompt_ids, past_key_values=cache, use_cache=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    cache = make_cache()
+    prefill(prompt_ids, past_key_values=cache, use_cache=True)
+
+    def steps():
         for i in range(step_ids.shape[1]):
             position = torch.full((1,), prompt + i, device=step_ids.device)
             step(step_ids[:, i:i + 1], past_key_values=cache, use_cache=True, cache_position=position,
                  position_ids=position[None].expand(step_ids.shape[0], 1))
-        end.record()
-        torch.cuda.synchronize()
-        per_token.append(start.elapsed_time(end) / step_ids.shape[1])
-    return statistics.median(per_token[warmup:])
+
+    return _timed(steps) / step_ids.shape[1]
 
 
-def measurements(model, vocab_size: int, repeats: int):
-    """(phase, batch, tokens, mode, fn() -> ms) for every timing of one model with its current backend."""
+def measurements(model, vocab_size: int):
+    """(phase, batch, tokens, mode, make_sample) for every timing of one model: ``make_sample()``, called
+    with the backend set, returns a function that times one run in milliseconds."""
     import torch
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -115,43 +128,71 @@ def measurements(model, vocab_size: int, repeats: int):
         return torch.randint(0, vocab_size, (batch, length), generator=gen, device="cuda")
 
     for tokens in PROMPTS:
-        yield "prefill", 1, tokens, "eager", partial(time_prefill, model, ids(1, tokens), repeats)
+        yield "prefill", 1, tokens, "eager", partial(prefill_sample, model, ids(1, tokens))
     for batch in DECODE_BATCHES:
         prompt, steps = ids(batch, DECODE_PROMPT), ids(batch, DECODE_STEPS)
-        yield "decode", batch, DECODE_PROMPT, "eager", partial(time_decode, model, prompt, steps, repeats)
-        yield ("decode", batch, DECODE_PROMPT, "static+compile",
-               partial(time_decode_static, model, prompt, steps, repeats))
+        yield "decode", batch, DECODE_PROMPT, "eager", partial(decode_sample, model, prompt, steps)
+        yield "decode", batch, DECODE_PROMPT, "static+compile", partial(static_decode_sample, model, prompt, steps)
 
 
-def bench_model(name: str, config, repeats: int) -> list[dict]:
+def in_rounds(model, backends, make_sample, warmup: int, repeats: int, together: bool) -> dict:
+    """{backend: median milliseconds, or the error that stopped it} over ``warmup + repeats`` runs each.
+
+    ``together``: the backends take turns, one run each per round, so that a
+    slower or faster spell of the machine (a decode step of these models is
+    mostly Python) falls on every backend alike. Otherwise each backend runs
+    all its rounds before the next one starts (a compiled model is made once
+    per backend). A backend that raises (out of memory, or any failure) gets its
+    error and drops out; the others go on.
+    """
+    import torch
+
+    samples, errors = {b: [] for b in backends}, {}
+    groups = [list(backends)] if together else [[b] for b in backends]
+    for group in groups:
+        runs = {}
+        for _ in range(warmup + repeats):
+            for backend in [b for b in group if b not in errors]:
+                try:
+                    model.set_attn_implementation(backend)
+                    if backend not in runs:
+                        runs[backend] = make_sample()
+                    with torch.no_grad():
+                        samples[backend].append(runs[backend]())
+                except torch.cuda.OutOfMemoryError:
+                    errors[backend] = "out of memory"
+                except Exception as error:  # a failure is a row of the table: the other measurements go on
+                    errors[backend] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                if backend in errors:
+                    runs.pop(backend, None)
+                    torch.cuda.empty_cache()
+    return {b: errors[b] if b in errors else statistics.median(samples[b][warmup:]) for b in backends}
+
+
+def bench_model(name: str, config, repeats: int, warmup: int = 2) -> list[dict]:
     import torch
 
     from course import models
 
     model = models.random_model(config, device="cuda").to(torch.bfloat16)
-    rows = []
+    rows, backends = [], []
     for backend in BACKENDS:
-        base = {"model": name, "backend": backend}
         try:
             model.set_attn_implementation(backend)
+            backends.append(backend)
         except (ValueError, ImportError) as error:
-            rows.append({**base, "error": f"transformers refuses it: {str(error).splitlines()[0]}"})
-            continue
-        for phase, batch, tokens, mode, measure in measurements(model, config.vocab_size, repeats):
-            if mode == "static+compile" and backend not in STATIC_BACKENDS[name]:
-                continue
-            row = {**base, "phase": phase, "batch": batch, "tokens": tokens, "mode": mode}
-            try:
-                with torch.no_grad():
-                    row["ms"] = measure()
-            except torch.cuda.OutOfMemoryError:
-                row["error"] = "out of memory"
-                torch.cuda.empty_cache()
-            except Exception as error:  # a failure is a row of the table: the other measurements go on
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            rows.append({"model": name, "backend": backend,
+                         "error": f"transformers refuses it: {str(error).splitlines()[0]}"})
+    for phase, batch, tokens, mode, make_sample in measurements(model, config.vocab_size):
+        eager = mode == "eager"
+        timed = [b for b in backends if eager or b in STATIC_BACKENDS[name]]
+        outcomes = in_rounds(model, timed, make_sample, warmup, repeats, together=eager)
+        for backend, outcome in outcomes.items():
+            row = {"model": name, "backend": backend, "phase": phase, "batch": batch, "tokens": tokens,
+                   "mode": mode, **({"error": outcome} if isinstance(outcome, str) else {"ms": outcome})}
             rows.append(row)
-            outcome = f"{row['ms']:.2f} ms" if "ms" in row else row["error"]
-            print(f"  {name} {backend:>6} {_what(row, DECODE_STEPS)}: {outcome}", flush=True)
+            shown = f"{row['ms']:.2f} ms" if "ms" in row else row["error"]
+            print(f"  {name} {backend:>6} {_what(row, DECODE_STEPS)}: {shown}", flush=True)
     del model
     torch.cuda.empty_cache()
     return rows

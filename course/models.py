@@ -51,7 +51,7 @@ except ImportError as error:  # the optional extra
     raise ImportError("course.models needs transformers: pip install -e '.[models]' "
                       "(the version this course is tested with, transformers==5.23.0)") from error
 
-from course import testing
+from course import ops, testing
 
 NAME = "course"
 
@@ -147,7 +147,8 @@ def decode(q, k, v, key_counts, **features):
     real keys per sequence (``visible_key_counts``); None (a caller without transformers' mask): all."""
     if key_counts is None:
         key_counts = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
-    return torch.ops.course.decode_attention(q, k, v, key_counts, check_lengths=False, **features)
+    decode_attention = ops.decode_attention if eager_inference(q, k, v) else torch.ops.course.decode_attention
+    return decode_attention(q, k, v, key_counts, check_lengths=False, **features)
 
 
 def prefill(q, k, v, key_counts, **features):
@@ -159,7 +160,17 @@ def prefill(q, k, v, key_counts, **features):
     if key_counts is not None:
         real = int(key_counts.max())
         k, v = k[:, :real], v[:, :real]
-    return torch.ops.course.attention(q, k, v, causal=True, **features)
+    attention = ops.attention if eager_inference(q, k, v) else torch.ops.course.attention
+    return attention(q, k, v, causal=True, **features)
+
+
+def eager_inference(*tensors) -> bool:
+    """Whether a call may skip its custom op and run the op's Python function directly: in eager mode
+    with nothing for autograd to record. The op's dispatch costs the host about as much as the launch;
+    torch.compile needs the op (it traces it), and autograd needs it to say there is no backward."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 # --8<-- [end:backend]
 
 

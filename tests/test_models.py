@@ -261,6 +261,15 @@ def test_backward_raises(small_gpt_oss):
         model(ids).logits.float().sum().backward()
 
 
+def test_eager_inference_skips_the_op_only_where_nothing_needs_it():
+    x = torch.randn(2, 3)
+    w = torch.randn(2, 3, requires_grad=True)
+    with torch.no_grad():
+        assert models.eager_inference(x, w), "under no_grad the op's Python function runs directly"
+    assert models.eager_inference(x, x), "no input needs a gradient: the op's dispatch adds nothing"
+    assert not models.eager_inference(x, w), "autograd must record the op (its backward says there is none)"
+
+
 def test_float32_model_is_rejected_by_the_kernels_validation(backed_by):
     backed_by(impl="reference")
     config = cpu_config("llama")
