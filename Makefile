@@ -37,7 +37,7 @@ site: $(READY)  ## build the docs site into site/ (strict: a broken include or l
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 constraints: $(READY)  ## pin every dependency but PyTorch to the versions in .venv now (writes constraints.txt)
-	$(BIN)/python -m course.constraints > $(CONSTRAINTS)
+	$(BIN)/python -m course.tools.constraints > $(CONSTRAINTS)
 	touch $(READY)  # .venv is what the new pins describe: no need to install again
 
 # The PyTorch choice as a file that changes only when the choice does: `.ready` depends on it.

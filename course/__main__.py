@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from course import stages
+from course.runtime import stages
 
 
 def stage_number(text: str) -> int:
@@ -79,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=50, help="timed repeats per kernel and shape (default: 50)")
     bench.add_argument("--groupings", type=head_groupings, default=None, metavar="H_Q/H_KV,...",
                        help="decode: only the shapes of these head groupings, e.g. 32/8,64/8, to split a long run "
-                            "into parts; merge their bench.json with `python -m course.results --merge`")
+                            "into parts; merge their bench.json with `python -m course.tools.results --merge`")
     bench.add_argument("--replot", action="store_true",
                        help="time nothing: redraw the plots from OUT/bench.json (after a merge; no GPU needed)")
 
@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run_skeletons(force: bool) -> int:
-    from course import skeleton
+    from course.tools import skeleton
 
     try:
         written = skeleton.write_all(force=force)
@@ -156,7 +156,7 @@ def run_skeletons(force: bool) -> int:
 
 
 def run_reset(number: int) -> int:
-    from course import skeleton
+    from course.tools import skeleton
 
     stage = stages.get(number)
     kept = skeleton.reset(stage)
@@ -170,13 +170,13 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
 
     if args.command == "check":
-        from course.cli import check as run_check
+        from course.tools.cli import check as run_check
 
         return run_check(args.stage, args.impl, keyword=args.keyword, exitfirst=args.exitfirst, verbose=args.verbose)
     if args.command == "reset":
         return run_reset(args.stage)
     if args.command == "bench":
-        from course import bench as bench_mod
+        from course.tools import bench as bench_mod
 
         if args.replot:
             bench_mod.replot(args.out or bench_mod.DEFAULT_OUT)
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         bench_mod.run(args.stage, **kwargs)
         return 0
     if args.command == "model-bench":
-        from course import model_bench
+        from course.tools import model_bench
 
         out_dir = args.out or model_bench.DEFAULT_OUT
         if args.render:
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
             model_bench.run(out_dir=out_dir, impl=args.impl, repeats=args.repeats)
         return 0
     if args.command == "host-bench":
-        from course import host_bench
+        from course.tools import host_bench
 
         out_dir = args.out or host_bench.DEFAULT_OUT
         if args.render:
@@ -207,11 +207,11 @@ def main(argv=None) -> int:
             host_bench.run(out_dir=out_dir, impl=args.impl)
         return 0
     if args.command == "sanitize":
-        from course import sanitize as sanitize_mod
+        from course.tools import sanitize as sanitize_mod
 
         return sanitize_mod.main(args.stage, tuple(args.tool or sanitize_mod.TOOLS), args.jobs)
     if args.command == "sass":
-        from course import sass as sass_mod
+        from course.tools import sass as sass_mod
 
         return sass_mod.main(args.stage, args.steps)
     if args.command == "skeletons":
@@ -219,8 +219,8 @@ def main(argv=None) -> int:
     if args.command == "notebooks":
         from pathlib import Path
 
-        from course import notebooks as notebooks_mod
         from course.testing import gpu_skip_reason
+        from course.tools import notebooks as notebooks_mod
 
         out_dir = Path(args.out) if args.out else notebooks_mod.EXECUTED_DIR
         reason = gpu_skip_reason()
@@ -233,12 +233,12 @@ def main(argv=None) -> int:
             print(f"wrote {path}")
         return 0
     if args.command == "diffs":
-        from course import diffs
+        from course.tools import diffs
 
         for path in diffs.write_all():
             print(f"wrote {path}")
         return 0
-    from course.cli import status
+    from course.tools.cli import status
 
     return status()
 

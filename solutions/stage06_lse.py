@@ -14,7 +14,7 @@ union, using only their outputs and their LSEs.
   not requested.
 * ``merge_attention_states(o_a, lse_a, o_b, lse_b)`` merges two partial
   results, as a small CuTe kernel (one thread per 8 output values); the
-  PyTorch version is ``course.reference.merge_attention_states``.
+  PyTorch version is ``course.testing.reference.merge_attention_states``.
 
 Run it:
     python -m course check 6 --impl solutions    # this stage's tests
@@ -33,8 +33,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from course import launch, prefill, validation
-from course.compile import cross_compile, symbolic_tensor
+from course.runtime import launch, prefill, validation
+from course.runtime.compile import cross_compile, symbolic_tensor
 
 STAGE = 6
 TILE_M = 128  # query rows per CTA: two warpgroups of 64 rows (one WGMMA M each)
@@ -417,7 +417,7 @@ class Attention:
         self.dtype = config.cute_dtype
         self.head_dim = config.head_dim
 
-    # Every prefill stage has this signature, so one host function (course.prefill) compiles and
+    # Every prefill stage has this signature, so one host function (course.runtime.prefill) compiles and
     # launches them all; a stage ignores the arguments of features it does not have yet.
     @cute.jit
     def __call__(
@@ -759,5 +759,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, out=None):
 if __name__ == "__main__":
     import torch
 
-    launch.demo(attention, seqlen_q=300, seqlen_k=1000, window_size=(128, 0), num_sink_tokens=4,
-                sink_logits=torch.linspace(-2, 2, 8, device="cuda"), return_lse=True)
+    from course.testing import demo
+
+    demo.prefill(attention, seqlen_q=300, seqlen_k=1000, window_size=(128, 0), num_sink_tokens=4,
+                 sink_logits=torch.linspace(-2, 2, 8, device="cuda"), return_lse=True)

@@ -54,8 +54,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync
 from cutlass.memory import SmemAllocator
 
-from course import launch, validation
-from course.compile import cross_compile, cute_dtype, symbolic_tensor
+from course.runtime import launch, validation
+from course.runtime.compile import cross_compile, cute_dtype, symbolic_tensor
 
 STAGE = 7
 HEAD_DIMS = (64, 128, 256)
@@ -762,7 +762,7 @@ def ctas_per_sm(heads: int, head_dim: int = 128) -> int:
 
 def auto_num_splits(batch: int, kv_ctas: int, max_keys: int, num_sms: int, heads: int = 4,
                     head_dim: int = 128) -> int:
-    """The split count for num_splits=0: ``course.launch.pick_num_splits`` with this kernel's CTAs per
+    """The split count for num_splits=0: ``course.runtime.launch.pick_num_splits`` with this kernel's CTAs per
     SM, SPLIT_CTAS_PER_SM for few sequences and at least MIN_KEYS_PER_SPLIT keys per split."""
     return launch.pick_num_splits(batch * kv_ctas, max_keys, num_sms, ctas_per_sm(heads, head_dim),
                                   split_ctas_per_sm=SPLIT_CTAS_PER_SM, min_keys_per_split=MIN_KEYS_PER_SPLIT)
@@ -909,4 +909,6 @@ def split_kv_model(q, k_cache, v_cache, cache_seqlens, *, block_table=None, soft
 
 
 if __name__ == "__main__":
-    launch.decode_demo(decode_attention, lengths=[1, 300, 5000, 70000], page_size=64)
+    from course.testing import demo
+
+    demo.decode(decode_attention, lengths=[1, 300, 5000, 70000], page_size=64)

@@ -75,8 +75,8 @@ from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync, warp
 from cutlass.memory import SmemAllocator
 
-from course import launch, validation
-from course.compile import cross_compile, cute_dtype, symbolic_tensor
+from course.runtime import launch, validation
+from course.runtime.compile import cross_compile, cute_dtype, symbolic_tensor
 
 # Stage 7's split-KV machinery, unchanged: the visible keys and their cache rows, a split's partial
 # result, the arrival on the counter, and folding partials (and the sink) into O.
@@ -1057,7 +1057,7 @@ def ctas_per_sm(head_dim: int, cache_dtype: str = "float16", tiles: int = 1, war
 
 def auto_num_splits(batch: int, heads_kv: int, group_size: int, max_keys: int, num_sms: int, head_dim: int = 128,
                     cache_dtype: str = "float16", tiles: int = 1, warps: int = 4) -> int:
-    """The split count for num_splits=0: ``course.launch.pick_num_splits`` with this kernel's CTAs per
+    """The split count for num_splits=0: ``course.runtime.launch.pick_num_splits`` with this kernel's CTAs per
     SM, at least MIN_KEYS_PER_SPLIT keys per split (SHORT_SPLIT_KEYS for sequences shorter than
     SHORT_SPLITS such splits) and, for few sequences, SPLIT_CTAS_PER_SM (sequence, KV head) streams
     per SM.
@@ -1146,7 +1146,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
     [B] int32. The cache is q's dtype, or float8_e4m3fn with ``k_scale``,
     ``v_scale`` (float32, [H_kv] or scalar tensors; the cache holds K / k_scale
-    and V / v_scale: ``course.kv_cache.quantize_kv_cache`` makes one). Returns
+    and V / v_scale: ``course.runtime.kv_cache.quantize_kv_cache`` makes one). Returns
     o [B, H_q, D] (and lse [B, H_q] float32 with return_lse). ``out``
     (optional) receives O. ``check_lengths=True`` reads cache_seqlens, the
     block table and the scales on the host (a synchronization) to reject
@@ -1232,4 +1232,6 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
 
 
 if __name__ == "__main__":
-    launch.decode_demo(decode_attention, lengths=[1, 300, 5000, 70000], page_size=64, heads_q=64, heads_kv=8)
+    from course.testing import demo
+
+    demo.decode(decode_attention, lengths=[1, 300, 5000, 70000], page_size=64, heads_q=64, heads_kv=8)

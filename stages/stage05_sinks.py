@@ -34,7 +34,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from course import launch, prefill
+from course.runtime import prefill
 
 STAGE = 5
 TILE_M = 128  # query rows per CTA: two warpgroups of 64 rows (one WGMMA M each)
@@ -393,7 +393,7 @@ class Attention:
         self.dtype = config.cute_dtype
         self.head_dim = config.head_dim
 
-    # Every prefill stage has this signature, so one host function (course.prefill) compiles and
+    # Every prefill stage has this signature, so one host function (course.runtime.prefill) compiles and
     # launches them all; a stage ignores the arguments of features it does not have yet.
     @cute.jit
     def __call__(
@@ -631,5 +631,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 if __name__ == "__main__":
     import torch
 
-    launch.demo(attention, seqlen_q=300, seqlen_k=1000, window_size=(128, 0), num_sink_tokens=4,
-                sink_logits=torch.linspace(-2, 2, 8, device="cuda"))
+    from course.testing import demo
+
+    demo.prefill(attention, seqlen_q=300, seqlen_k=1000, window_size=(128, 0), num_sink_tokens=4,
+                 sink_logits=torch.linspace(-2, 2, 8, device="cuda"))

@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from course import launch, prefill
+from course.runtime import launch, prefill
 
 from .stage06_lse import MERGE_CONFIGS, cross_compile_merge, merge_attention_states  # noqa: F401 (stage 6's merge)
 
@@ -799,7 +799,7 @@ class Attention:
         self.mma_threads = 128 * self.num_wgs
         self.num_threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer; then the MMA warpgroups
 
-    # Every prefill stage has this signature, so one host function (course.prefill) compiles and
+    # Every prefill stage has this signature, so one host function (course.runtime.prefill) compiles and
     # launches them all; a stage ignores the arguments of features it does not have yet.
     @cute.jit
     def __call__(
@@ -1132,5 +1132,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
 if __name__ == "__main__":
     import torch
 
-    launch.demo(attention, seqlen_q=300, seqlen_k=1000, window_size=(128, 0), num_sink_tokens=4,
-                sink_logits=torch.linspace(-2, 2, 8, device="cuda"), return_lse=True)
+    from course.testing import demo
+
+    demo.prefill(attention, seqlen_q=300, seqlen_k=1000, window_size=(128, 0), num_sink_tokens=4,
+                 sink_logits=torch.linspace(-2, 2, 8, device="cuda"), return_lse=True)

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from course import skeleton, stages, testing
+from course.runtime import stages
+from course import testing
+from course.tools import skeleton
 
 
 def pytest_addoption(parser):

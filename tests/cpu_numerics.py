@@ -1,11 +1,11 @@
-"""CPU numerics: a stage's device helpers run on the CPU, on every thread's registers, against course.reference.
+"""CPU numerics: a stage's device helpers run on the CPU, on every thread's registers, against course.testing.reference.
 
 A ``@cute.jit`` function that launches no kernel is compiled for the host and runs
 there, on CPU tensors wrapped with ``cutlass.cute.runtime.from_dlpack``. The helpers a
 learner writes for masks, softmax statistics, LSE and merging are register arithmetic,
 so the host functions below call them unchanged (from ``--impl``'s module) on the
 fragments every thread of a CTA would hold, and the tests compare what they compute
-with course.reference. No GPU is involved.
+with course.testing.reference. No GPU is involved.
 
 The GPU instructions those helpers use have no host lowering. While a host function is
 traced, ``host_stand_ins`` puts host code in their place that computes the same value:
@@ -41,8 +41,9 @@ from cutlass._mlir import ir
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.cute.runtime import from_dlpack
 
-from course import prefill, reference, validation
-from course.stages import ROOT
+from course.runtime import prefill, validation
+from course.testing import reference
+from course.runtime.stages import ROOT
 
 GPU_ONLY_OPS = ("nvvm.", "nvgpu.", "gpu.", "llvm.inline_asm")
 MMA_THREADS = 256  # the two consumer warpgroups of a prefill CTA
@@ -572,25 +573,25 @@ def assert_rows_match(got: torch.Tensor, expected: torch.Tensor, where: str, uni
     if (error > O_TOLERANCE).any():
         row = int((error > O_TOLERANCE).nonzero()[0])
         raise AssertionError(
-            f"{where}: O of {unit} {row} differs from course.reference by {error[row]:.2e} "
+            f"{where}: O of {unit} {row} differs from course.testing.reference by {error[row]:.2e} "
             f"(tolerance {O_TOLERANCE}): got {[round(x, 4) for x in got[row].tolist()[:4]]}..., "
             f"expected {[round(x, 4) for x in expected[row].tolist()[:4]]}...")
 
 
 def assert_lse_matches(got: torch.Tensor, expected: torch.Tensor, where: str, unit: str = "row") -> None:
-    """Natural-log LSE: -inf exactly where course.reference has it (no key, no sink), else within LSE_TOLERANCE."""
+    """Natural-log LSE: -inf exactly where course.testing.reference has it (no key, no sink), else within LSE_TOLERANCE."""
     if torch.isnan(got).any():
         raise AssertionError(f"{where}: LSE of {unit} {int(torch.isnan(got).nonzero()[0])} is NaN")
     inf_wrong = torch.isneginf(got) != torch.isneginf(expected)
     if inf_wrong.any():
         row = int(inf_wrong.nonzero()[0])
-        raise AssertionError(f"{where}: LSE of {unit} {row} is {got[row].item()}, course.reference {expected[row].item()} "
+        raise AssertionError(f"{where}: LSE of {unit} {row} is {got[row].item()}, course.testing.reference {expected[row].item()} "
                              "(-inf exactly for a row with no visible key and no sink)")
     finite = torch.isfinite(expected)
     error = (got[finite].double() - expected[finite].double()).abs()
     if len(error) and error.max() > LSE_TOLERANCE:
         row = int(finite.nonzero()[int(error.argmax())])
-        raise AssertionError(f"{where}: LSE of {unit} {row} is {got[row].item():.6f}, course.reference "
+        raise AssertionError(f"{where}: LSE of {unit} {row} is {got[row].item():.6f}, course.testing.reference "
                              f"{expected[row].item():.6f} (natural log, sink included)")
 
 
@@ -632,7 +633,7 @@ def check_merge_weights(module) -> None:
         if not same.all():
             raise AssertionError(
                 f"merge_weights({lse_a[i].item():g}, {lse_b[i].item():g}) returns (w_a, w_b, lse) = "
-                f"{tuple(round(x, 6) for x in got.tolist())}; course.reference gives "
+                f"{tuple(round(x, 6) for x in got.tolist())}; course.testing.reference gives "
                 f"{tuple(round(x, 6) for x in expected[i].tolist())}. The weights are exp(lse - M) / total "
                 "(they add up to 1, or are both 0 when both parts are empty).")
 
@@ -644,7 +645,7 @@ DECODE_HEADS, DECODE_UNROLL = 4, 4  # a CTA of 4 query heads loads 4 keys per ke
 
 def decode_problem(length: int, *, seed: int = 0, logit_scale: float = 1.0):
     """One sequence of ``length`` keys seen by DECODE_HEADS query heads of one KV head, head dim VEC (8):
-    (q, k_cache, v_cache, cache_seqlens) for course.reference, V in fp16 as the kernel reads it."""
+    (q, k_cache, v_cache, cache_seqlens) for course.testing.reference, V in fp16 as the kernel reads it."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, DECODE_HEADS, 8, generator=gen) * logit_scale
     k = torch.randn(1, length, 1, 8, generator=gen)

@@ -1,6 +1,6 @@
 """Checks every prefill stage must pass; each tests/test_stageNN_*.py imports them.
 
-A test module sets ``STAGE`` (from course.stages) and ``LENGTHS`` (the
+A test module sets ``STAGE`` (from course.runtime.stages) and ``LENGTHS`` (the
 (S_q, S_k) pairs its kernel supports) and does ``from prefill_checks import *``;
 pytest then collects these tests in that module, against ``--impl``'s code.
 """
@@ -8,7 +8,8 @@ pytest then collects these tests in that module, against ``--impl``'s code.
 import pytest
 import torch
 
-from course import testing, validation
+from course.runtime import validation
+from course import testing
 
 __all__ = [
     "stage", "pytest_generate_tests", "test_bad_input_is_rejected_before_launch", "test_later_features_name_their_stage",

@@ -13,7 +13,9 @@ import math
 import pytest
 import torch
 
-from course import launch, prefill, reference, stages, testing, tile_models, validation
+from course.runtime import launch, prefill, stages, validation
+from course.testing import reference, tile_models
+from course import testing
 
 PREFILL_STAGES = [s.number for s in stages.STAGES if s.ready and s.kind == "prefill"]
 INT32_MAX = validation.INT32_MAX

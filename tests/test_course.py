@@ -7,8 +7,10 @@ import shutil
 import pytest
 import torch
 
-from course import bench, diffs, reference, skeleton, stages, validation
-from course import results as results_page
+from course.runtime import stages, validation
+from course.testing import reference
+from course.tools import bench, diffs, skeleton
+from course.tools import results as results_page
 from course.__main__ import main
 
 
@@ -180,7 +182,7 @@ def test_stage9_plot_has_a_panel_per_grouping_and_batch():
 
 
 def test_merging_decode_runs_of_some_groupings_keeps_every_row():
-    """`course bench --groupings` runs in parts; `course.results --merge` must add their rows up."""
+    """`course bench --groupings` runs in parts; `course.tools.results --merge` must add their rows up."""
     full = fake_decode_results([(32, 8), (64, 1)])
     parts = [fake_decode_results([grouping]) for grouping in [(32, 8), (64, 1)]]
     merged = results_page.merge(parts)["decode"]["rows"]
@@ -196,29 +198,84 @@ def test_bench_groupings_select_decode_shapes():
 
 def test_fp8_copy_is_quantize_kv_cache_head_by_head():
     """The bench quantizes one KV head at a time (less memory); the scales are per head, so the cache is the same."""
-    from course.kv_cache import quantize_kv_cache
+    from course.runtime.kv_cache import quantize_kv_cache
 
     k, v = torch.randn(2, 2, 64, 3, 16).mul(torch.tensor([1.0, 5.0, 0.1]).view(1, 1, 3, 1)).to(torch.float16).unbind(0)
     for ours, theirs in zip(bench.fp8_copy(k, v), quantize_kv_cache(k, v)):
         assert ours.dtype == theirs.dtype and torch.equal(ours.float(), theirs.float())
 
 
+# The parts of course/, in order: each may import only the parts before it (course/__init__.py).
+PARTS = ("runtime", "testing", "integration", "tools")
+
+
+def imported_course_modules(tree, *, skip_main_block: bool = False) -> set[str]:
+    """The modules of course/ an AST imports, as dotted names under course ("runtime.launch", "testing"),
+    lazy (in-function) imports included; old names (``from course import launch``) as where they live now."""
+    import ast
+
+    import course
+
+    def where(name: str) -> str:
+        first, _, rest = name.partition(".")
+        return f"{course.MOVED[first]}.{name}" if first in course.MOVED else name
+
+    nodes = ast.walk(tree)
+    if skip_main_block:
+        main_blocks = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+        inside = {id(n) for block in main_blocks for n in ast.walk(block)}
+        nodes = (node for node in ast.walk(tree) if id(node) not in inside)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "course":
+            package = node.module.partition(".")[2]
+            for alias in node.names:
+                # `from course.runtime import launch` imports the module runtime.launch; `from course.runtime.launch
+                # import x`, the module itself.
+                candidate = f"{package}.{alias.name}" if package else alias.name
+                is_module = (stages.ROOT / "course" / candidate.replace(".", "/")).with_suffix(".py").exists() or (
+                    stages.ROOT / "course" / candidate.replace(".", "/") / "__init__.py").exists()
+                found.add(where(candidate if is_module or candidate.split(".")[0] in course.MOVED else package))
+        elif isinstance(node, ast.Import):
+            found.update(where(a.name.partition(".")[2]) for a in node.names if a.name.startswith("course."))
+    return {name for name in found if name}
+
+
 def course_imports() -> dict[str, set[str]]:
-    """{module: the course modules it imports}, for every module of course/, lazy (in-function) imports included."""
+    """{module: the course modules it imports}, for every module of course/ ("runtime.launch": {...})."""
     import ast
 
     graph = {}
-    for path in sorted((stages.ROOT / "course").glob("*.py")):
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "course":
-                imported.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course."):
-                imported.add(node.module.split(".")[1])
-            elif isinstance(node, ast.Import):
-                imported.update(a.name.split(".")[1] for a in node.names if a.name.startswith("course."))
-        graph[path.stem] = imported - {path.stem}
+    for path in sorted((stages.ROOT / "course").rglob("*.py")):
+        parts = path.relative_to(stages.ROOT / "course").with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)  # "" is course/__init__.py
+        graph[name] = imported_course_modules(ast.parse(path.read_text())) - {name}
     return graph
+
+
+def part_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_course_is_laid_out_in_its_parts():
+    """`ls course/` shows the parts: no module outside them but the package's own __init__ and __main__."""
+    entries = sorted(p.name for p in (stages.ROOT / "course").iterdir() if p.name != "__pycache__")
+    assert entries == sorted(["__init__.py", "__main__.py", *PARTS]), (
+        f"course/ holds {entries}: a new module goes into one of the parts {PARTS} (course/__init__.py says "
+        "which part holds what)")
+
+
+def test_each_part_imports_only_the_parts_before_it():
+    """runtime imports nothing else of course; testing imports runtime; integration imports runtime and testing;
+    tools import everything."""
+    for module, imported in course_imports().items():
+        if module in ("", "__main__"):  # course/__init__.py (the old names) and the command line's entry point
+            continue
+        allowed = PARTS[:PARTS.index(part_of(module)) + 1]
+        wrong = sorted(name for name in imported if part_of(name) not in allowed)
+        assert not wrong, (f"course/{module.replace('.', '/')}.py imports {wrong}: a module of course.{part_of(module)} "
+                           f"may import only {', '.join('course.' + p for p in allowed)}. Move what both need down "
+                           "to the lower part.")
 
 
 def test_course_has_no_import_cycles():
@@ -241,20 +298,35 @@ def test_course_has_no_import_cycles():
                                "module that imports neither (see the module docstrings for what lives where).")
 
 
-def test_kernels_import_only_the_kernel_side_of_course():
-    """Kernels may use validation, compile, launch and prefill; never the benchmark, the CLI or the tests."""
+def test_kernels_import_only_course_runtime():
+    """Importing a kernel loads course.runtime and nothing else of course; the file's demo (its __main__ block)
+    may use course.testing."""
     import ast
 
-    allowed = {"validation", "compile", "launch", "prefill"}
     for stage in (s for s in stages.STAGES if s.ready):
-        tree = ast.parse(stage.path("solutions").read_text())
-        used = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "course":
-                used.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course."):
-                used.add(node.module.split(".")[1])
-        assert used <= allowed, f"{stage.module_name} imports course.{sorted(used - allowed)}: kernels import only {sorted(allowed)}"
+        for impl in ("solutions", "stages"):
+            tree = ast.parse(stage.path(impl).read_text())
+            used = imported_course_modules(tree, skip_main_block=True)
+            wrong = sorted(name for name in used if part_of(name) != "runtime")
+            assert not wrong, (f"{impl}/{stage.module_name}.py imports {wrong}: kernels import only course.runtime "
+                               "(validation, compile, launch, prefill, kv_cache, shapes, stages)")
+            demo = imported_course_modules(tree) - used
+            assert all(part_of(name) in ("runtime", "testing") for name in demo), demo
+
+
+def test_old_module_names_are_the_modules_themselves():
+    """A stage file or script written before the layout (`from course import launch`, `import course.models`)
+    gets the very module of the new layout, not a second copy with its own caches."""
+    import importlib
+
+    import course
+
+    for old, part in course.MOVED.items():
+        if old == "models":
+            continue  # needs transformers, which the CPU set-up installs only with the models extra
+        module = importlib.import_module(f"course.{old}")
+        assert module is importlib.import_module(f"course.{part}.{old}"), old
+        assert module.__spec__.name == f"course.{part}.{old}", module.__spec__.name
 
 
 # ---------------------------------------------------------------- the learner's files in stages/ are never lost
@@ -374,12 +446,12 @@ def test_cpu_numerics_are_todos_with_tests(stage):
 # ---------------------------------------------------------------- what `course check` says about a failure
 
 def test_check_finds_the_learners_line_in_any_error():
-    from course import cli
+    from course.tools import cli
 
     path = stages.get(4).path("stages")
     dsl = f"error[ARG_WRONG_TYPE]: Loop `stop` must be an integer\n   --> {stages.ROOT}/stages/stage04_masking.py:486\n"
     mlir = 'error: loc("s[r, 0] = x"("/somewhere/stages/stage04_masking.py":172:15)): type mismatch'
-    traceback = ("course/compile.py:137: in cross_compile\n    compiled = cute.compile(\n"
+    traceback = ("course/runtime/compile.py:137: in cross_compile\n    compiled = cute.compile(\n"
                  "stages/stage04_masking.py:281: in attend_kv_tiles\n    ...\n"
                  "stages/stage04_masking.py:172: in apply\n    ...\nE   ValueError: type mismatch\n")
     assert cli.learner_line(dsl, path) == 486
@@ -391,7 +463,7 @@ def test_check_finds_the_learners_line_in_any_error():
 def test_check_shows_the_whole_dsl_diagnostic_in_plain_text():
     from types import SimpleNamespace
 
-    from course import cli
+    from course.tools import cli
 
     message = (f"cutlass.base_dsl.common.DSLUserCodeError: \n\x1b[91merror[ARG_WRONG_TYPE]:\x1b[0m Loop `stop`\n"
                f"   \x1b[94m-->\x1b[0m {stages.ROOT}/stages/stage04_masking.py:486\n" + "  | line\n" * 40)
@@ -404,7 +476,7 @@ def test_check_shows_the_whole_dsl_diagnostic_in_plain_text():
 @pytest.mark.compiles
 def test_check_shows_a_trace_error_at_the_learners_line():
     """A learner's type error in a TODO: `course check` names the line and prints the DSL's diagnostic."""
-    from course import transcripts
+    from course.tools import transcripts
 
     stage = stages.get(4)
     text = skeleton.expected_skeleton(stage)
@@ -419,7 +491,7 @@ def test_check_shows_a_trace_error_at_the_learners_line():
     assert "error[ARG_WRONG_TYPE]: Loop `stop` must be an integer type, not `Float32`" in failure, failure
     assert f"--> stages/stage04_masking.py:{line}" in failure, failure
 def test_sanitizer_report_separates_kernel_findings_from_host_api_noise():
-    from course import sanitize
+    from course.tools import sanitize
 
     output = """========= COMPUTE-SANITIZER
 ========= Program hit CUDA_ERROR_INVALID_VALUE (error 1) due to "invalid argument" on CUDA API call to cuFuncGetAttribute.
@@ -453,7 +525,8 @@ def test_a_hint_continues_on_indented_comment_lines():
 def test_executing_notebooks_without_a_gpu_keeps_the_sites_copies(monkeypatch, capsys):
     """`course notebooks --execute` on a machine without a Hopper GPU would replace the executed copies'
     GPU outputs with CPU skip messages: it refuses, unless told where else to write, or forced."""
-    from course import notebooks, testing
+    from course import testing
+    from course.tools import notebooks
 
     monkeypatch.setattr(testing, "gpu_skip_reason", lambda: "no CUDA GPU on this machine")
     monkeypatch.setattr(notebooks, "write_executed", lambda out_dir: pytest.fail("it executed the notebooks"))
@@ -532,7 +605,7 @@ def skeleton_with(stage: stages.Stage, first_words: str, body: str) -> str:
 def test_check_names_a_wrong_number_before_a_later_todo():
     """Stage 3 with a running sum that forgets the correction, and attend_kv_tiles not written yet: the
     cross-compile stops at the TODO first, but the thing to fix is the wrong number the CPU numerics found."""
-    from course import transcripts
+    from course.tools import transcripts
 
     stage = stages.get(3)
     body = exercise_body(stage, "For each row r").replace("row_sum[r] * correction + thread_sum",
@@ -545,7 +618,7 @@ def test_check_names_a_wrong_number_before_a_later_todo():
 
 
 def test_check_reports_a_syntax_error_as_such():
-    from course import transcripts
+    from course.tools import transcripts
 
     stage = stages.get(1)
     text = skeleton.expected_skeleton(stage).replace("def scores_to_operand_a(", "def scores_to_operand_a((", 1)
@@ -558,7 +631,7 @@ def test_check_reports_a_syntax_error_as_such():
 def test_status_row_of_a_broken_file_says_what_is_wrong(course_copy):
     from contextlib import nullcontext
 
-    from course import cli
+    from course.tools import cli
 
     stage = stages.get(2)
     stage.path("stages").write_text(stage.path("stages").read_text() + "\ndef broken(:\n")
@@ -571,7 +644,7 @@ def test_status_counts_each_todo_once(course_copy):
     """One TODO per unfinished region, however many lines its hint takes, and a stray mention is no TODO."""
     import re
 
-    from course import cli
+    from course.tools import cli
 
     stage = stages.get(3)
     text = stage.path("stages").read_text()

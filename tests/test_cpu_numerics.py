@@ -7,7 +7,7 @@ learner's code), where they pass; here each check meets one bug it exists to cat
 import cpu_numerics
 import pytest
 
-from course import stages
+from course.runtime import stages
 
 # stage 8's tile order: 60 (batch, head) pairs in groups of 32, so the last group is short
 SCHEDULE = dict(seqlen_q=1000, num_heads=20, num_batch=3, seqlen_k=777, head_dim=128, dtype_bytes=2, l2_bytes=50 << 20)

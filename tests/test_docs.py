@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from course import notebooks, stages, testing, transcripts
+from course.runtime import stages
+from course import testing
+from course.tools import notebooks, transcripts
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = notebooks.NOTEBOOK_DIR
@@ -39,7 +41,7 @@ def test_every_ready_stage_has_a_notebook_and_a_docs_page():
 
 
 def test_home_page_lists_every_stage():
-    """The stage table on the home page matches course/stages.py (number, title, status)."""
+    """The stage table on the home page matches course/runtime/stages.py (number, title, status)."""
     text = (ROOT / "docs" / "index.md").read_text()
     rows = {int(m[1]): m[0] for m in re.finditer(r"^\| (\d+) \|.*\|$", text, flags=re.MULTILINE)}
     for stage in stages.STAGES:
@@ -57,7 +59,7 @@ READY = [s for s in stages.STAGES if s.ready]
 def test_stage_pages_show_what_course_check_prints():
     """Each stage page's "Expected output" ends with what `course check N` really prints on the untouched
     skeleton: the first failing test, the line of the skeleton and the TODO message (a run with -x, which
-    stops there with the same lines; course.transcripts runs it in a scratch copy)."""
+    stops there with the same lines; course.tools.transcripts runs it in a scratch copy)."""
     outputs = transcripts.run({s.number: ("check", str(s.number), "-x") for s in READY})
     stale = []
     for stage in READY:
@@ -77,7 +79,7 @@ def test_quoted_transcripts_are_real_runs():
         committed = (transcripts.DIR / f"{name}.txt").read_text()
         assert transcripts.comparable(committed) == transcripts.comparable(text), (
             f"docs/transcripts/{name}.txt is not what `python -m course {' '.join(transcripts.TRANSCRIPTS[name])}` "
-            f"prints now; regenerate with `python -m course.transcripts`.\n--- printed ---\n{text}")
+            f"prints now; regenerate with `python -m course.tools.transcripts`.\n--- printed ---\n{text}")
 
 
 def test_setup_page_quotes_the_status_footnote():
@@ -85,7 +87,7 @@ def test_setup_page_quotes_the_status_footnote():
     reason = testing.gpu_skip_reason()
     if reason is None or not reason.startswith("no CUDA GPU"):
         pytest.skip("the page quotes a machine without any CUDA GPU")
-    from course import cli
+    from course.tools import cli
 
     assert cli.gpu_columns_note(reason) in (ROOT / "docs" / "setup.md").read_text()
 
@@ -117,12 +119,12 @@ def test_notebook_runs_top_to_bottom(path):
 
 
 def test_results_tables_are_generated(tmp_path):
-    """docs/results/results-tables.md, bench.md and stageNN.md are exactly what `python -m course.results` writes
+    """docs/results/results-tables.md, bench.md and stageNN.md are exactly what `python -m course.tools.results` writes
     from bench.json."""
     import json
     import shutil
 
-    from course import results
+    from course.tools import results
 
     shutil.copy(ROOT / "docs" / "results" / "bench.json", tmp_path / "bench.json")
     results.render(tmp_path)
@@ -131,8 +133,8 @@ def test_results_tables_are_generated(tmp_path):
     for name in names:
         committed = (ROOT / "docs" / "results" / name).read_text()
         assert committed == (tmp_path / name).read_text(), (
-            f"docs/results/{name} is not what course.results renders from bench.json; "
-            "regenerate it with `python -m course.results` (never edit it by hand)"
+            f"docs/results/{name} is not what course.tools.results renders from bench.json; "
+            "regenerate it with `python -m course.tools.results` (never edit it by hand)"
         )
 
 
@@ -141,12 +143,12 @@ def test_models_table_is_generated():
     before the first measurement, its "not measured yet" text)."""
     import json
 
-    from course import model_bench
+    from course.tools import model_bench
 
     source = ROOT / "docs" / "results" / model_bench.MODELS_JSON
     expected = model_bench.table(json.loads(source.read_text()) if source.exists() else None)
     assert (ROOT / "docs" / "results" / model_bench.MODELS_MD).read_text() == expected, (
-        "docs/results/models.md is not what course.model_bench renders; regenerate it with "
+        "docs/results/models.md is not what course.tools.model_bench renders; regenerate it with "
         "`python -m course model-bench --render` (never edit it by hand)"
     )
 
@@ -155,18 +157,18 @@ def test_host_table_is_generated():
     """docs/results/host.md is what `python -m course host-bench --render` writes from host.json."""
     import json
 
-    from course import host_bench
+    from course.tools import host_bench
 
     results = json.loads((ROOT / "docs" / "results" / host_bench.HOST_JSON).read_text())
     assert (ROOT / "docs" / "results" / host_bench.HOST_MD).read_text() == host_bench.table(results), (
-        "docs/results/host.md is not what course.host_bench renders; regenerate it with "
+        "docs/results/host.md is not what course.tools.host_bench renders; regenerate it with "
         "`python -m course host-bench --render` (never edit it by hand)"
     )
 
 
 def test_host_table_compares_each_call_with_cudnn():
     """The renderer on a made-up measurement (never written anywhere): ratios to SDPA cuDNN's row."""
-    from course import host_bench
+    from course.tools import host_bench
 
     env = {"gpu": "GPU", "torch": "2", "nvidia_cutlass_dsl": "4", "date": "today"}
     rows = [{"call": "stage 9 decode_attention", "host_us": 20.0, "eager_us": 25.0},
@@ -180,7 +182,7 @@ def test_host_table_compares_each_call_with_cudnn():
 
 def test_models_table_shows_every_row():
     """The renderer on a made-up measurement (never written anywhere): times, a refused backend, an error."""
-    from course import model_bench
+    from course.tools import model_bench
 
     env = {"gpu": "GPU", "driver": "1", "torch": "2", "transformers": "5.23.0", "nvidia_cutlass_dsl": "4",
            "date": "today", "course": {"prefill": 6, "decode": 7, "impl": "solutions"}}
@@ -212,8 +214,8 @@ def test_summary_table_of_a_grouping():
     and the FP8 speed-ups from L = 32k on."""
     from dataclasses import asdict
 
-    from course import results
-    from course.shapes import DecodeShape
+    from course.tools import results
+    from course.runtime.shapes import DecodeShape
 
     def row(kernel, shape, ms, **extra):
         return {"kernel": kernel, "label": shape.label, "shape": asdict(shape), "ms": ms, **extra}
@@ -236,7 +238,7 @@ def test_summary_table_of_a_grouping():
 def test_results_tables_cover_every_measured_stage():
     import json
 
-    from course import results
+    from course.tools import results
 
     data = json.loads((ROOT / "docs" / "results" / "bench.json").read_text())
     text = results.tables(data)
@@ -434,7 +436,7 @@ def test_exercise_says_which_todos_the_cpu_numerics_cover(stage):
     missing = [name for name in stage.cpu_numerics if f"`{name}`" not in section]
     assert "On the CPU" in section and not missing, (
         f"docs/{stage.docs_page}: the exercise should say, in a sentence starting 'On the CPU', which TODOs the CPU "
-        f"numerics run (stage.cpu_numerics in course/stages.py); missing: {missing}")
+        f"numerics run (stage.cpu_numerics in course/runtime/stages.py); missing: {missing}")
 
 
 def test_notebook_pages_render_executed_copies_when_present(tmp_path, monkeypatch):

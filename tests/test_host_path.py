@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from course import kv_cache, launch, stages, testing, validation
+from course.runtime import kv_cache, launch, stages, validation
+from course import testing
 
 DECODE_STAGES = [7, 9]
 
@@ -110,7 +111,7 @@ def decode_cases(number, stage):
 def test_default_calls_never_synchronize(impl):
     """Under torch.cuda.set_sync_debug_mode("error"), any synchronizing call (a .item(), a copy to the host)
     raises: the first call of a signature (validation, compile, placeholders, counters) and the next ones."""
-    from course import ops
+    from course.integration import ops
 
     prefill = stages.get(ops.PREFILL_STAGE).load(impl)
     q, k, v = testing.random_qkv(2, 300, 1000, 8, 2, 128, torch.float16)
@@ -143,7 +144,7 @@ def test_default_calls_never_synchronize(impl):
 
 @pytest.mark.gpu
 def test_a_known_signature_still_rejects_bad_options(impl):
-    from course import ops
+    from course.integration import ops
 
     prefill = stages.get(ops.PREFILL_STAGE).load(impl)
     q, k, v = testing.random_qkv(1, 128, 128, 4, 2, 64, torch.float16)

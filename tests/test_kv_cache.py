@@ -4,7 +4,9 @@ cache, and the validation of caches and scales that every decode entry point run
 import pytest
 import torch
 
-from course import kv_cache, reference, testing, validation
+from course.runtime import kv_cache, validation
+from course.testing import reference
+from course import testing
 
 
 def decode_inputs(lengths=(5, 9), h_q=4, h_kv=2, d=64, page_size=None):

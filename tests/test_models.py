@@ -1,4 +1,4 @@
-"""The "course" attention backend for transformers (course/models.py).
+"""The "course" attention backend for transformers (course/integration/models.py).
 
 CPU: the argument mapping against transformers' own eager attention and mask functions, small GPT-OSS,
 Llama and Qwen2 models on the float64 reference (prompt and decode steps, dynamic and static caches,
@@ -21,7 +21,7 @@ from transformers.masking_utils import causal_mask_function, sliding_window_caus
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager  # noqa: E402
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager  # noqa: E402
 
-from course import models, ops  # noqa: E402
+from course.integration import models, ops  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -6,7 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from course import ops, reference, testing
+from course.testing import reference
+from course import testing
+from course.integration import ops
 
 
 @pytest.fixture

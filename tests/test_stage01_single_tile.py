@@ -3,7 +3,8 @@
 import cpu_numerics
 import pytest
 
-from course import stages, testing
+from course.runtime import stages
+from course import testing
 from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
 from prefill_checks import cpu_qkv
 

@@ -4,7 +4,9 @@ import cpu_numerics
 import pytest
 import torch
 
-from course import reference, stages, testing, tile_models
+from course.runtime import stages
+from course.testing import reference, tile_models
+from course import testing
 from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
 
 STAGE = stages.get(5)

@@ -6,7 +6,9 @@ import cpu_numerics
 import pytest
 import torch
 
-from course import reference, stages, testing, validation
+from course.runtime import stages, validation
+from course.testing import reference
+from course import testing
 from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
 
 STAGE = stages.get(6)

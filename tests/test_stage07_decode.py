@@ -8,7 +8,9 @@ import cpu_numerics
 import pytest
 import torch
 
-from course import reference, stages, testing
+from course.runtime import stages
+from course.testing import reference
+from course import testing
 
 STAGE = stages.get(7)
 

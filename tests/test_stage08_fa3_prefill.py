@@ -10,7 +10,8 @@ import cpu_numerics
 import pytest
 import torch
 
-from course import prefill, stages, testing
+from course.runtime import prefill, stages
+from course import testing
 from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
 from test_stage04_masking import test_masks_match_reference, test_masks_with_gqa  # noqa: F401
 from test_stage04_masking import test_rows_without_visible_keys_are_zero  # noqa: F401

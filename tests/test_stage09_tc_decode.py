@@ -14,7 +14,8 @@ from test_stage07_decode import (
     replaced,
 )
 
-from course import kv_cache, stages, testing
+from course.runtime import kv_cache, stages
+from course import testing
 
 STAGE = stages.get(9)
 

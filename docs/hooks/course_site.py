@@ -23,7 +23,7 @@ from pathlib import Path
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
-from course.notebooks import EXECUTED_DIR, NOTEBOOK_DIR, notebooks
+from course.tools.notebooks import EXECUTED_DIR, NOTEBOOK_DIR, notebooks
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_INDEX_MARKER = "<!-- notebook-index -->"

@@ -13,7 +13,7 @@ Which code backs the ops is one setting, ``use_stages``:
 - ``decode``: the decode stage (``decode_attention``); by default the final decode kernel, stage 9
   (tensor cores, and an FP8 cache with ``k_scale``/``v_scale``).
 - ``impl``: ``"solutions"`` (the reference solutions), ``"stages"`` (your
-  code), or ``"reference"``: course/reference.py in float64, after the
+  code), or ``"reference"``: course/testing/reference.py in float64, after the
   kernels' own input validation (all but the device check), so that a CPU can
   check what a model hands the kernels.
 
@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from course import reference, stages, validation
+from course.runtime import stages, validation
+from course.testing import reference
 
 PREFILL_STAGE = 8  # the final prefill kernel (FA3-class)
 DECODE_STAGE = 9  # the final decode kernel (tensor cores, FP8 cache)
@@ -81,7 +82,7 @@ def backing() -> Backing:
 
 def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
                         num_sink_tokens=0):
-    """course.reference.attention on inputs the prefill kernels accept; O in q's dtype."""
+    """course.testing.reference.attention on inputs the prefill kernels accept; O in q's dtype."""
     validation.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
                                       sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
     return reference.attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -91,7 +92,7 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window_siz
 def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                                window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
                                check_lengths=None, k_scale=None, v_scale=None):
-    """course.reference.decode_attention on inputs the decode kernel accepts; O in q's dtype.
+    """course.testing.reference.decode_attention on inputs the decode kernel accepts; O in q's dtype.
 
     The lengths (and scales) are on the host anyway: they are checked unless ``check_lengths=False``.
     """

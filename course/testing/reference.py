@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from course import validation
+from course.runtime import validation
 
 
 def visible_keys(seqlen_q: int, seqlen_k: int, *, causal: bool = False, window_size=(-1, -1),

@@ -26,7 +26,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from course.stages import STAGES, Stage
+from course.runtime.stages import STAGES, Stage
 
 OPEN = re.compile(r"^(?P<indent>\s*)# \[exercise (?P<stage>\d+)\] (?P<hint>.+?)\s*$")
 MORE = "#   "  # after the indent of an opening marker: a line that continues its hint

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from course import validation
+from course.runtime import validation
 
 LOG2_E = math.log2(math.e)
 
@@ -105,7 +105,7 @@ def masked_online(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
                   num_sink_tokens: int = 0, tile_m: int = 128, tile_n: int = 128):
     """Stages 4 and 5: each Q tile visits the tiles of its sink tokens, then its KV block range;
     masked scores are -inf; the sink logit joins the denominator at the end; empty rows give 0."""
-    from course.reference import visible_keys
+    from course.testing.reference import visible_keys
 
     qh, kh, vh = _heads_first(q, k, v)
     seqlen_q, seqlen_k = qh.shape[2], kh.shape[2]

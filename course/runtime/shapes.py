@@ -2,15 +2,15 @@
 
 A shape knows the work it asks for (flops, the least bytes any kernel must
 move), so every table computes TFLOP/s and GB/s the same way. Nothing here
-imports torch or a kernel: the stage registry (``course.stages``) lists each
-stage's shapes, and ``course.bench`` times them.
+imports torch or a kernel: the stage registry (``course.runtime.stages``) lists each
+stage's shapes, and ``course.tools.bench`` times them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course import validation
+from course.runtime import validation
 
 
 @dataclass(frozen=True)

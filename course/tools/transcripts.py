@@ -1,4 +1,4 @@
-"""The command outputs the docs quote, from real runs: ``python -m course.transcripts`` writes docs/transcripts/.
+"""The command outputs the docs quote, from real runs: ``python -m course.tools.transcripts`` writes docs/transcripts/.
 
 Each transcript is what one ``course`` command prints, run in a scratch copy of this
 repository whose stages/ holds the generated skeletons, so a learner's edits never reach
@@ -19,7 +19,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from course import skeleton, stages
+from course.runtime import stages
+from course.tools import skeleton
 
 DIR = stages.ROOT / "docs" / "transcripts"
 TRANSCRIPTS = {  # file name (without .txt): the arguments of `python -m course`

@@ -25,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from course import bench
+from course.tools import bench
 
 DEFAULT_OUT = bench.DEFAULT_OUT
 HOST_JSON, HOST_MD = "host.json", "host.md"
@@ -53,7 +53,9 @@ def prefill_calls(impl: str) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from course import ops, stages, testing
+    from course import testing
+    from course.integration import ops
+    from course.runtime import stages
 
     stage = stages.get(ops.PREFILL_STAGE).load(impl)
     p = PREFILL
@@ -71,8 +73,9 @@ def decode_calls(impl: str) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from course import kv_cache, ops, stages
-    from course.shapes import DecodeShape
+    from course.integration import ops
+    from course.runtime import kv_cache, stages
+    from course.runtime.shapes import DecodeShape
 
     d = DECODE
     shape = DecodeShape(d["batch"], d["seqlen"], d["heads_q"], d["heads_kv"], d["head_dim"])
@@ -125,7 +128,7 @@ def measure(calls: dict, *, rounds: int = 200) -> list[dict]:
 def run(*, out_dir: Path = DEFAULT_OUT, impl: str = "solutions") -> dict:
     import torch
 
-    from course import ops
+    from course.integration import ops
 
     if not torch.cuda.is_available():
         raise SystemExit("course host-bench times launches on the GPU: it needs a Hopper GPU (sm_90)")

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-from course import bench
+from course.tools import bench
 
 DEFAULT_OUT = bench.DEFAULT_OUT
 MODELS_JSON, MODELS_MD, MODELS_PNG = "models.json", "models.md", "models.png"
@@ -44,7 +44,7 @@ TITLES = {"gpt-oss": "GPT-OSS, 8 layers", "llama": "Llama, same attention"}
 
 
 def bench_configs() -> dict:
-    from course import models
+    from course.integration import models
 
     shapes = dict(num_layers=8, hidden_size=2880, vocab_size=201088)
     return {"gpt-oss": models.gpt_oss_config(**shapes), "llama": models.llama_config(**shapes)}
@@ -172,7 +172,7 @@ def in_rounds(model, backends, make_sample, warmup: int, repeats: int, together:
 def bench_model(name: str, config, repeats: int, warmup: int = 2) -> list[dict]:
     import torch
 
-    from course import models
+    from course.integration import models
 
     model = models.random_model(config, device="cuda").to(torch.bfloat16)
     rows, backends = [], []
@@ -201,7 +201,7 @@ def bench_model(name: str, config, repeats: int, warmup: int = 2) -> list[dict]:
 def environment() -> dict:
     from importlib import metadata
 
-    from course import ops
+    from course.integration import ops
 
     return {**bench.environment(), "transformers": metadata.version("transformers"), "course": asdict(ops.backing())}
 
@@ -209,7 +209,7 @@ def environment() -> dict:
 def run(*, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 10) -> dict:
     import torch
 
-    from course import ops
+    from course.integration import ops
 
     if not torch.cuda.is_available():
         raise SystemExit("course model-bench times models on the GPU: it needs a Hopper GPU (sm_90)")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from course import reference
+from course.testing import reference
 
 TOLERANCE_FACTOR = 2.0
 EPSILON = 1e-4
@@ -242,7 +242,7 @@ def compare_decode_with_reference(out, *, q, k_cache, v_cache, cache_seqlens, bl
     same dequantized cache, so the tolerance is PyTorch's error on the values
     the FP8 cache stands for.
     """
-    from course import kv_cache
+    from course.runtime import kv_cache
 
     inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
     ref = reference.decode_attention(**inputs, **features).float()

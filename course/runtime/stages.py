@@ -10,9 +10,9 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from course.shapes import DecodeShape, PrefillShape
+from course.runtime.shapes import DecodeShape, PrefillShape
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ("stages", "solutions")
 # How messages spell the command: the project's virtual environment has the dependencies, a bare `python` may not.
 COURSE_COMMAND = ".venv/bin/python -m course"
@@ -29,7 +29,7 @@ class Stage:
     bench_shapes: tuple = ()  # PrefillShape or DecodeShape: what `course bench` times this stage on
     starts_from: int | None = None  # a stage this one is timed next to on its shapes (the one it improves)
     # The functions with this stage's TODOs whose results tests/cpu_numerics.py computes on the CPU and
-    # compares with course.reference; the others (TMA, pipelines, WGMMA) only a Hopper GPU can check.
+    # compares with course.testing.reference; the others (TMA, pipelines, WGMMA) only a Hopper GPU can check.
     cpu_numerics: tuple[str, ...] = ()
 
     @property

@@ -1,6 +1,6 @@
 """``course sass``: what the tensor-core loops of a compiled kernel look like in SASS, without a GPU.
 
-A cross-compiled cubin (``course.compile.cross_compile(..., keep=True)``) is
+A cross-compiled cubin (``course.runtime.compile.cross_compile(..., keep=True)``) is
 disassembled with ``cuobjdump -sass``. For every loop that issues HGMMA (the
 KV loops) this prints its length and instruction mix, and for every
 ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (``wgmma.wait_group 1``: wait for Q K^T,
@@ -102,8 +102,8 @@ def report(cubin: Path, title: str) -> str:
 
 
 def main(number: int, steps: int | None = None) -> int:
-    from course import prefill, stages
-    from course.compile import cross_compile
+    from course.runtime import prefill, stages
+    from course.runtime.compile import cross_compile
 
     module = stages.get(number).load("solutions")
     kernel_class = module.Attention

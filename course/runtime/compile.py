@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 GPU_ARCH = "sm_90a"
-ARTIFACT_ROOT = Path(__file__).resolve().parent.parent / "artifacts"
+ARTIFACT_ROOT = Path(__file__).resolve().parents[2] / "artifacts"
 
 
 def cute_dtype(torch_dtype):

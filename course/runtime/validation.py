@@ -393,7 +393,7 @@ def _check_kv_scales(k_scale, v_scale, *, fp8: bool, cache_dtype, heads_kv: int)
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
             raise ValueError(f"an FP8 cache needs {name}: the cache holds K / k_scale and V / v_scale "
-                             "(course.kv_cache.quantize_kv_cache returns both)")
+                             "(course.runtime.kv_cache.quantize_kv_cache returns both)")
         if not isinstance(scale, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (float32, [H_kv] or a scalar); got {type(scale).__name__}")
         if str(scale.dtype) != "torch.float32":

@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from course import stages, testing
+from course import testing
+from course.runtime import stages
 
 console = Console()
 
@@ -72,7 +73,7 @@ def _gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from course import bench
+    from course.tools import bench
 
     try:
         shape = stage.bench_shapes[0]
@@ -105,7 +106,7 @@ def _decode_gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from course import bench
+    from course.tools import bench
 
     try:
         inputs = testing.random_decode_inputs([1, 300, 5000], 8, 2, 128, torch.float16, page_size=64, seed=1)
@@ -283,14 +284,14 @@ def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
 
 def _coverage_line(stage: stages.Stage) -> str:
     """Which of the stage's TODOs the CPU numerics run, and which only a Hopper GPU checks."""
-    from course import skeleton
+    from course.tools import skeleton
 
     todos = skeleton.exercise_functions(stage)
     on_cpu = [f"{name}()" for name in todos if name in stage.cpu_numerics]
     gpu_only = [f"{name}()" for name in todos if name not in stage.cpu_numerics]
     parts = []
     if on_cpu:
-        parts.append(f"CPU numerics (your code run on the CPU against course.reference) cover {', '.join(on_cpu)}")
+        parts.append(f"CPU numerics (your code run on the CPU against course.testing.reference) cover {', '.join(on_cpu)}")
     if gpu_only:
         parts.append(f"only a Hopper GPU checks the numerics of {', '.join(gpu_only)}")
     return "; ".join(parts) + "."

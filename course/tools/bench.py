@@ -3,7 +3,7 @@
 Timing: CUDA events around each call, after warm-up, median of many repeats,
 the kernels compared on one shape called in rounds (``time_in_rounds``).
 Results go to ``bench.json`` (with the GPU, driver and versions), ``bench.md``
-(the tables the docs include, rendered by ``course.results``) and the plots.
+(the tables the docs include, rendered by ``course.tools.results``) and the plots.
 Never edit those by hand: rerun ``python -m course bench --out docs/results``
 on a Hopper GPU.
 """
@@ -20,11 +20,11 @@ from functools import partial
 from importlib import metadata
 from pathlib import Path
 
-from course import results as results_page
-from course import stages
-from course.shapes import DecodeShape, PrefillShape
+from course.runtime import stages
+from course.runtime.shapes import DecodeShape, PrefillShape
+from course.tools import results as results_page
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "results"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
 def kernel_features(shape: PrefillShape, heads: int) -> dict:
@@ -276,7 +276,7 @@ def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) 
 
 def bench_ablation(*, impl: str = "solutions", repeats: int = 50) -> list[dict]:
     """Stage 8's ablation: stage 6, then the kernel after each of stage 8's steps, next to FA4 and cuDNN."""
-    from course import prefill
+    from course.runtime import prefill
 
     stage6, stage8 = stages.get(6).load(impl), stages.get(8).load(impl)
     rows = []
@@ -506,7 +506,7 @@ def fp8_copy(k, v):
     """
     import torch
 
-    from course.kv_cache import quantize_kv_cache
+    from course.runtime.kv_cache import quantize_kv_cache
 
     k8, v8 = (torch.empty_like(x, dtype=torch.float8_e4m3fn) for x in (k, v))
     k_scale, v_scale = (torch.empty(k.shape[2], dtype=torch.float32, device=k.device) for _ in range(2))
@@ -758,7 +758,7 @@ def write_plots(results: dict, out_dir: Path) -> list[str]:
 
 
 def replot(out_dir: Path = DEFAULT_OUT) -> list[str]:
-    """Redraw the plots from ``out_dir``/bench.json (after ``python -m course.results --merge``); no GPU needed."""
+    """Redraw the plots from ``out_dir``/bench.json (after ``python -m course.tools.results --merge``); no GPU needed."""
     out_dir = Path(out_dir)
     written = write_plots(json.loads((out_dir / "bench.json").read_text()), out_dir)
     print(f"wrote {', '.join(written) or 'no plot (bench.json has no rows to draw)'} in {out_dir}")
@@ -768,7 +768,7 @@ def replot(out_dir: Path = DEFAULT_OUT) -> list[str]:
 def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 50,
         groupings=None) -> dict:
     """Time ``stage_numbers`` (default: every ready stage; ``groupings``: only the decode shapes of these
-    (H_q, H_kv) pairs), write bench.json, the tables (``course.results``) and the plots in ``out_dir``."""
+    (H_q, H_kv) pairs), write bench.json, the tables (``course.tools.results``) and the plots in ``out_dir``."""
     import torch
 
     if not torch.cuda.is_available():

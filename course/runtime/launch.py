@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import os
 
-from course.compile import cute_dtype
+from course.runtime.compile import cute_dtype
 
 __all__ = ["cute_dtype", "compiled", "signature", "cached_plan", "check_device_values", "persistent", "placeholder",
-           "decode_counters", "decode_workspace", "DecodePartials", "pick_num_splits", "sm_count", "demo", "decode_demo"]
+           "decode_counters", "decode_workspace", "DecodePartials", "pick_num_splits", "sm_count"]
 
 H100_SMS = 132  # the SMs of an H100 SXM: what a cross-compile without a GPU assumes
 
@@ -274,36 +274,3 @@ def placeholder(device, shape: tuple, dtype=None):
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = persistent(device, lambda: torch.zeros(shape, device=device, dtype=dtype))
     return _PLACEHOLDERS[key]
-
-
-def demo(attention, *, seqlen_q: int, seqlen_k: int, batch: int = 2, heads_q: int = 8,
-         heads_kv: int = 2, head_dim: int = 128, **features):
-    """Run one stage once on random inputs and print its error next to PyTorch's."""
-    import torch
-
-    from course import testing
-
-    if not torch.cuda.is_available():
-        raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
-    q, k, v = testing.random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, torch.float16)
-    out = attention(q, k, v, **features)
-    if isinstance(out, tuple):  # (O, LSE)
-        out = out[0]
-    torch.cuda.synchronize()
-    mask_features = {name: value for name, value in features.items() if name != "return_lse"}
-    print(f"stage output {tuple(out.shape)}: {testing.compare_with_reference(out, q, k, v, **mask_features)}")
-
-
-def decode_demo(decode_attention, *, lengths, heads_q: int = 32, heads_kv: int = 8, head_dim: int = 128,
-                page_size=None, **features):
-    """Run a decode stage once on a ragged batch of random caches and print its error next to PyTorch's."""
-    import torch
-
-    from course import testing
-
-    if not torch.cuda.is_available():
-        raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
-    inputs = testing.random_decode_inputs(lengths, heads_q, heads_kv, head_dim, torch.float16, page_size=page_size)
-    out = decode_attention(**inputs, **features)
-    torch.cuda.synchronize()
-    print(f"decode output {tuple(out.shape)}: {testing.compare_decode_with_reference(out, **inputs, **features)}")

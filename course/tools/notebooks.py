@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from course.stages import ROOT
+from course.runtime.stages import ROOT
 
 NOTEBOOK_DIR = ROOT / "notebooks"
 EXECUTED_DIR = ROOT / "docs" / "notebooks-executed"

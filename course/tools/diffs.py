@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 
-from course.stages import ROOT, STAGES
+from course.runtime.stages import ROOT, STAGES
 
 DIFF_DIR = ROOT / "docs" / "diffs"
 

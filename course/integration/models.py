@@ -3,12 +3,12 @@
 Importing this module registers the backend with transformers'
 ``AttentionInterface`` (and its mask with ``AttentionMaskInterface``), so
 
-    import course.models
+    import course.integration.models
     model.set_attn_implementation("course")
 
 runs a GPT-OSS, Llama or Qwen-style model's attention on ``course::attention``
 (every multi-token forward: the prompt) and ``course::decode_attention``
-(one-token steps, over the model's KV cache); course/ops.py says which stage
+(one-token steps, over the model's KV cache); course/integration/ops.py says which stage
 backs each op. The mapping:
 
 - transformers' ``sliding_window = W`` shows a query the ``W`` keys ending at
@@ -48,10 +48,11 @@ try:
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.utils.import_utils import is_tracing
 except ImportError as error:  # the optional extra
-    raise ImportError("course.models needs transformers: pip install -e '.[models]' "
+    raise ImportError("course.integration.models needs transformers: pip install -e '.[models]' "
                       "(the version this course is tested with, transformers==5.23.0)") from error
 
-from course import ops, testing
+from course import testing
+from course.integration import ops
 
 NAME = "course"
 

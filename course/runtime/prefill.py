@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from course import launch, validation
-from course.compile import (
+from course.runtime import launch, validation
+from course.runtime.compile import (
     CompileReport,
     cross_compile,
     cute_dtype,

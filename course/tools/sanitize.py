@@ -29,7 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from course import stages
+from course.runtime import stages
 
 TOOLS = ("memcheck", "racecheck", "synccheck")
 _SUMMARY = re.compile(r"=+ (?:ERROR|RACECHECK) SUMMARY: (\d+) (?:error|hazard)")
@@ -85,11 +85,11 @@ def classify(tool: str, output: str, returncode: int) -> ToolResult:
 
 
 def run_tool(number: int, tool: str) -> ToolResult:
-    """One tool over one stage's small launches (``python -m course.sanitize --launch N``)."""
+    """One tool over one stage's small launches (``python -m course.tools.sanitize --launch N``)."""
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         return ToolResult(tool, 1, failed_to_run="compute-sanitizer is not on the PATH (it ships with the CUDA toolkit)")
-    command = [sanitizer, "--tool", tool, "--print-limit", "200", sys.executable, "-m", "course.sanitize",
+    command = [sanitizer, "--tool", tool, "--print-limit", "200", sys.executable, "-m", "course.tools.sanitize",
                "--launch", str(number)]
     completed = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     output = completed.stdout + completed.stderr
@@ -117,7 +117,7 @@ def launch_stage(number: int) -> None:
         if number >= 9:  # an FP8 cache, a group of 24 query heads (two CTAs of 16 rows), D = 256
             from unittest import mock
 
-            from course import kv_cache
+            from course.runtime import kv_cache
 
             inputs = testing.random_decode_inputs([300, 17], 24, 1, 256, torch.float16, page_size=32, seed=3)
             module.decode_attention(**kv_cache.fp8_decode_inputs(inputs), num_splits=2, return_lse=True)
