@@ -652,3 +652,28 @@ def test_status_counts_each_todo_once(course_copy):
     assert regions >= 2 and cli.todos_left(stage, "stages") == regions
     stage.path("stages").write_text(text + "\n# a note the learner left: see TODO(stage 3) above\n")
     assert cli.todos_left(stage, "stages") == regions
+
+
+def test_sdpa_baseline_selects_its_backend_outside_the_timed_call():
+    """A timing enters the SDPA baseline's setting around the call, so the call itself does not pay for
+    selecting the backend; outside the setting it still selects it, so its result is the same."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    run = bench.sdpa(SDPBackend.MATH)
+    q, k, v = torch.randn(3, 1, 5, 2, 8).unbind(0)
+    outside = run(q, k, v, causal=True)
+    assert not isinstance(bench._restricted_to(SDPBackend.MATH), contextlib.nullcontext)
+    with bench.setting(run):
+        assert isinstance(bench._restricted_to(SDPBackend.MATH), contextlib.nullcontext)
+        assert not isinstance(bench._restricted_to(SDPBackend.CUDNN_ATTENTION), contextlib.nullcontext)
+        inside = run(q, k, v, causal=True)
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True)
+    assert torch.equal(outside, expected) and torch.equal(inside, expected)
+    assert isinstance(bench.setting(lambda: None), contextlib.nullcontext)

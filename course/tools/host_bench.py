@@ -38,14 +38,15 @@ def eager_microseconds(fn, *, calls: int = EAGER_CALLS, warmup: int = 10) -> flo
     """Microseconds per call of ``calls`` back-to-back eager calls, synchronized once at the end."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    with bench.setting(fn):
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e6
 
 
 def prefill_calls(impl: str) -> dict:
@@ -62,9 +63,12 @@ def prefill_calls(impl: str) -> dict:
     q, k, v = testing.random_qkv(p["batch"], p["seqlen"], p["seqlen"], p["heads"], p["heads"], p["head_dim"],
                                  torch.float16)
     cudnn = bench.sdpa(SDPBackend.CUDNN_ATTENTION)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     return {f"stage {ops.PREFILL_STAGE} attention": lambda: stage.attention(q, k, v, causal=True),
             "course::attention (op)": lambda: torch.ops.course.attention(q, k, v, causal=True),
-            "SDPA cuDNN": lambda: cudnn(q, k, v, causal=True)}
+            "SDPA cuDNN": with_setting(lambda: cudnn(q, k, v, causal=True), cudnn),
+            "SDPA default": lambda: sdpa(qt, kt, vt, is_causal=True)}
 
 
 def decode_calls(impl: str) -> dict:
@@ -86,6 +90,8 @@ def decode_calls(impl: str) -> dict:
     final = stages.get(ops.DECODE_STAGE).load(impl)
     stage7 = stages.get(7).load(impl)
     cudnn = bench.sdpa_decode(SDPBackend.CUDNN_ATTENTION)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q4, kt, vt = q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2)
     return {f"stage {ops.DECODE_STAGE} decode_attention": lambda: final.decode_attention(q, k, v, seqlens),
             f"stage {ops.DECODE_STAGE}, FP8 cache": lambda: final.decode_attention(q, k8, v8, seqlens,
                                                                                   k_scale=k_scale, v_scale=v_scale),
@@ -93,7 +99,14 @@ def decode_calls(impl: str) -> dict:
                 q, bench.as_pages(k, paged), bench.as_pages(v, paged), seqlens, block_table=table),
             "course::decode_attention (op)": lambda: torch.ops.course.decode_attention(q, k, v, seqlens),
             "stage 7 decode_attention": lambda: stage7.decode_attention(q, k, v, seqlens),
-            "SDPA cuDNN": lambda: cudnn(q, k, v)}
+            "SDPA cuDNN": with_setting(lambda: cudnn(q, k, v), cudnn),
+            "SDPA default": lambda: sdpa(q4, kt, vt, enable_gqa=True)}
+
+
+def with_setting(fn, of):
+    """``fn``, timed in the ``bench.setting`` of ``of`` (the SDPA function it calls)."""
+    fn.setting = of.setting
+    return fn
 
 
 def measure(calls: dict, *, rounds: int = 200) -> list[dict]:
@@ -110,9 +123,10 @@ def measure(calls: dict, *, rounds: int = 200) -> list[dict]:
     eager = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            start = time.perf_counter()
-            fn()
-            host[name].append(time.perf_counter() - start)
+            with bench.setting(fn):  # SDPA's backend selected outside the timed call, as a model selects it
+                start = time.perf_counter()
+                fn()
+                host[name].append(time.perf_counter() - start)
     torch.cuda.synchronize()
     for _ in range(rounds // 20):
         for name, fn in calls.items():
@@ -151,7 +165,10 @@ def table(results: dict) -> str:
              f"Measured on {env['gpu']}, PyTorch {env['torch']}, nvidia-cutlass-dsl {env['nvidia_cutlass_dsl']}, "
              f"{env['date']}. Microseconds per call, fp16. Host: the median time one call takes to return with "
              f"the GPU busy. Eager: time per call of back-to-back calls (the larger of the host's "
-             "and the GPU's part); both in rounds, every call once per round. The ratio is SDPA cuDNN's eager time over the call's (above 1: faster).",
+             "and the GPU's part); both in rounds, every call once per round. SDPA cuDNN has its backend "
+             "selected once, outside the timed calls (selecting it per call would cost more than the call); "
+             "SDPA default lets PyTorch choose, as transformers' sdpa backend does. The ratio is SDPA "
+             "cuDNN's eager time over the call's (above 1: faster).",
              ""]
     for phase, what in (("prefill", f"causal prefill, B={p['batch']}, S={p['seqlen']}, H={p['heads']}, "
                                     f"D={p['head_dim']}"),

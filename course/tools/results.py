@@ -456,9 +456,10 @@ def in_shape_order(rows: list[dict]) -> list[dict]:
 def merge(runs: list[dict]) -> dict:
     """One results dict from several bench runs on the same GPU: prefill and decode rows are keyed by shape
     and kernel, and a later run's row replaces an earlier run's, so runs of a part each (`course bench
-    --groupings`) add up; the environment and the decode copy bandwidth are the first run's, stage 8's
-    ablation the last run's that has one."""
-    merged = {"environment": runs[0]["environment"], "rows": []}
+    --groupings`) add up; the environment and the decode copy bandwidth are the first run's (with every
+    run's date), stage 8's ablation the last run's that has one."""
+    dates = sorted({run["environment"]["date"] for run in runs if "date" in run["environment"]})
+    merged = {"environment": {**runs[0]["environment"], **({"date": ", ".join(dates)} if dates else {})}, "rows": []}
     for run in runs:
         merged["rows"] = merged_rows(merged["rows"], run.get("rows", []))
         if run.get("ablation"):
