@@ -338,9 +338,9 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
             safe_max = Float32(cutlass.select_(new_max[r] == -Float32.inf, Float32(0.0), new_max[r]))
             correction = cute.math.exp2(row_max[r] - safe_max, fastmath=True)
             row_sum[r] = row_sum[r] * correction
-            for v in cutlass.range_constexpr(cute.size(acc_o)):
-                if cutlass.const_expr(score_row(v) == r):
-                    acc_o[v] = acc_o[v] * correction
+            for nb in cutlass.range_constexpr(cute.size(acc_o, mode=[2])):  # per 8-column block, row r's 2
+                for c in cutlass.range_constexpr(2):
+                    acc_o[(c, r), 0, nb] = acc_o[(c, r), 0, nb] * correction
             row_max[r] = new_max[r]
     for r in cutlass.range_constexpr(2):
         safe_max = Float32(cutlass.select_(row_max[r] == -Float32.inf, Float32(0.0), row_max[r]))
@@ -889,8 +889,9 @@ class TensorCoreDecode:
             if kq == 0:
                 s_max[key_group, ROWS * tile + g + 8 * r] = row_max[r]
                 s_sum[key_group, ROWS * tile + g + 8 * r] = total
-        for v in cutlass.range_constexpr(cute.size(acc_o)):
-            s_acc[key_group, ROWS * tile + g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
+        for nb in cutlass.range_constexpr(cute.size(acc_o, mode=[2])):  # per 8-column block, its 4 values
+            for v in cutlass.range_constexpr(4 * nb, 4 * nb + 4):
+                s_acc[key_group, ROWS * tile + g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
         cute.arch.sync_threads()
         # An fp8 cache holds V / v_scale: the split's O is v_scale * (its O on the cache's values).
         out_scale = Float32(1.0)

@@ -858,8 +858,9 @@ class TensorCoreDecode:
             if kq == 0:
                 s_max[key_group, ROWS * tile + g + 8 * r] = row_max[r]
                 s_sum[key_group, ROWS * tile + g + 8 * r] = total
-        for v in cutlass.range_constexpr(cute.size(acc_o)):
-            s_acc[key_group, ROWS * tile + g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
+        for nb in cutlass.range_constexpr(cute.size(acc_o, mode=[2])):  # per 8-column block, its 4 values
+            for v in cutlass.range_constexpr(4 * nb, 4 * nb + 4):
+                s_acc[key_group, ROWS * tile + g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
         cute.arch.sync_threads()
         # An fp8 cache holds V / v_scale: the split's O is v_scale * (its O on the cache's values).
         out_scale = Float32(1.0)

@@ -336,11 +336,15 @@ EDIT = "\n# the learner's work\n"
 
 @pytest.fixture
 def course_copy(tmp_path, monkeypatch):
-    """solutions/ and stages/ copied to tmp_path, which the registry takes for the repository (no git yet)."""
+    """solutions/ copied to tmp_path, which the registry takes for the repository (no git yet), and stages/
+    as the skeletons generated from them: what the learner has written in stages/ changes nothing here."""
     import shutil
 
-    for folder in ("solutions", "stages"):
-        shutil.copytree(stages.ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(stages.ROOT / "solutions", tmp_path / "solutions", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(stages.ROOT / "stages", tmp_path / "stages", ignore=shutil.ignore_patterns("__pycache__", "stage*"))
+    for stage in stages.STAGES:
+        if stage.ready:
+            (tmp_path / "stages" / stage.path("stages").name).write_text(skeleton.expected_skeleton(stage))
     monkeypatch.setattr(stages, "ROOT", tmp_path)
     return tmp_path
 
