@@ -79,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=50, help="timed repeats per kernel and shape (default: 50)")
     bench.add_argument("--groupings", type=head_groupings, default=None, metavar="H_Q/H_KV,...",
                        help="decode: only the shapes of these head groupings, e.g. 32/8,64/8, to split a long run "
-                            "into parts; merge their bench.json with `python -m course.tools.results --merge`")
+                            "into parts (each merges its rows into OUT/bench.json; runs in other folders: "
+                            "`python -m course.tools.results --merge`)")
     bench.add_argument("--replot", action="store_true",
                        help="time nothing: redraw the plots from OUT/bench.json (after a merge; no GPU needed)")
 

@@ -190,6 +190,38 @@ def test_merging_decode_runs_of_some_groupings_keeps_every_row():
         (r["label"], r["kernel"]) for r in full["decode"]["rows"])
 
 
+def test_a_partial_bench_run_keeps_every_other_row(tmp_path, capsys):
+    """A run of some stages or groupings into a folder with bench.json replaces only what it timed: the prefill
+    rows and the other groupings stay (once, every prefill row was lost that way). Rows of another GPU are not
+    mixed with the run's."""
+    import json
+
+    earlier = fake_decode_results([(32, 8), (64, 1)])
+    earlier["rows"] = [{"label": "B=1 prefill", "kernel": "stage 8", "stage": 8, "ms": 1.0}]
+    (tmp_path / "bench.json").write_text(json.dumps(earlier))
+    run = fake_decode_results([(64, 1)])
+    merged = results_page.merge_into(tmp_path, run)
+    assert merged["rows"] == earlier["rows"], "the prefill rows of the earlier run are gone"
+    assert sorted((r["label"], r["kernel"]) for r in merged["decode"]["rows"]) == sorted(
+        (r["label"], r["kernel"]) for r in earlier["decode"]["rows"])
+    other_gpu = {**run, "environment": {**run["environment"], "gpu": "another GPU"}}
+    assert results_page.merge_into(tmp_path, other_gpu) is other_gpu
+    assert "replaced, not merged" in capsys.readouterr().out
+    assert results_page.merge_into(tmp_path / "empty", run) is run
+
+
+def test_every_stage_page_has_its_results_or_says_there_are_none(tmp_path):
+    """render writes a results file per ready stage: a stage without rows gets "not measured", never a table
+    left over from data that is gone."""
+    import json
+
+    (tmp_path / "bench.json").write_text(json.dumps(fake_decode_results([(32, 8)])))
+    results_page.render(tmp_path)
+    for stage in (s for s in stages.STAGES if s.ready):
+        text = (tmp_path / results_page.stage_file(stage.number)).read_text()
+        assert ("Not measured yet" in text) == (stage.number not in (7, 9)), (stage.number, text[:300])
+
+
 def test_bench_groupings_select_decode_shapes():
     assert set(bench.decode_shapes([9], ((32, 8),))) == set(stages.get(7).bench_shapes)
     with pytest.raises(SystemExit, match="no bench shape of stage 7 has the head grouping 64/1"):

@@ -121,15 +121,13 @@ def test_notebook_runs_top_to_bottom(path):
 def test_results_tables_are_generated(tmp_path):
     """docs/results/results-tables.md, bench.md and stageNN.md are exactly what `python -m course.tools.results` writes
     from bench.json."""
-    import json
     import shutil
 
     from course.tools import results
 
     shutil.copy(ROOT / "docs" / "results" / "bench.json", tmp_path / "bench.json")
     results.render(tmp_path)
-    names = [results.TABLES, results.BENCH_MD] + [results.stage_file(n) for n in results.measured_stages(
-        json.loads((tmp_path / "bench.json").read_text()))]
+    names = [results.TABLES, results.BENCH_MD] + [results.stage_file(s.number) for s in stages.STAGES if s.ready]
     for name in names:
         committed = (ROOT / "docs" / "results" / name).read_text()
         assert committed == (tmp_path / name).read_text(), (
@@ -233,6 +231,16 @@ def test_summary_table_of_a_grouping():
     assert lines[2] == ("| 8/1 | 1.00x | 0.89x (B1 4k paged) | 0.21 (B8 128k) | 50% (B1 32k; cuDNN 45%) "
                         "| 95% (B8 32k; cuDNN 90%) | 1.10x | 1.90x |"), lines[2]
     assert len(lines) == 3
+
+
+def test_results_figures_are_readable_at_page_width():
+    """No results figure is a strip: at page width, one wider than 3:1 shrinks its labels past reading."""
+    from PIL import Image
+
+    for path in sorted((ROOT / "docs" / "results").glob("*.png")):
+        width, height = Image.open(path).size
+        assert width <= 3 * height, (f"docs/results/{path.name} is {width} x {height}: draw it as panels (see "
+                                     "course/tools/bench.py's plots) so it is at most three times as wide as tall")
 
 
 def test_results_tables_cover_every_measured_stage():
@@ -471,3 +479,20 @@ def test_executed_copies_show_the_committed_notebooks(executed):
         "--execute` on a Hopper GPU, or delete the copy so the site shows the notebook without outputs")
     errors = [o.ename for c in ran.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{executed} holds errors from its run: {errors}"
+
+
+def test_the_landing_pages_stage_map_has_every_ready_stage():
+    """The map is drawn from the registry: one box per ready stage, with its number and title, in order."""
+    import xml.etree.ElementTree as ET
+
+    from course.tools import stage_map
+
+    root = ET.fromstring(stage_map.svg())
+    ns = "{http://www.w3.org/2000/svg}"
+    bold = " ".join(t.text for t in root.iter(f"{ns}text") if t.get("font-weight") == "bold")
+    ready = [s for s in stages.STAGES if s.ready]
+    positions = [bold.find(f"{s.number} · ") for s in ready]
+    assert -1 not in positions and positions == sorted(positions), bold
+    boxes = [r for r in root.iter(f"{ns}rect") if r.get("rx")]
+    assert len(boxes) == len(ready)
+    assert "assets/course-stages.svg" in (ROOT / "docs" / "index.md").read_text()

@@ -683,8 +683,9 @@ def bench_decode(stage_numbers, *, impl: str = "solutions", repeats: int = 50, g
 
 
 def plot_decode(results: dict, path: Path) -> bool:
-    """Bars of GB/s per shape and kernel on stage 7's shapes (stages.DECODE); False when no row is on them.
-    Stage 9's head groupings get a line plot of their own (``plot_decode_groupings``)."""
+    """Bars of GB/s per kernel on stage 7's shapes (stages.DECODE), one panel per batch size, a bar group per
+    context length and cache layout; False when no row is on them. Stage 9's head groupings get a line
+    plot of their own (``plot_decode_groupings``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -693,20 +694,34 @@ def plot_decode(results: dict, path: Path) -> bool:
     rows = results_page.rows_on(results["decode"]["rows"], stages.DECODE)
     if not rows:
         return False
-    labels = list(dict.fromkeys(r["label"] for r in rows))
+    batches = sorted({r["shape"]["batch"] for r in rows})
     kernels = list(dict.fromkeys(r["kernel"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4.5))
+    columns = min(2, len(batches))  # panels two a row: the figure stays about as tall as it is wide
+    panel_rows = -(-len(batches) // columns)
+    fig, axes = plt.subplots(panel_rows, columns, figsize=(6.2 * columns, 3.6 * panel_rows + 0.8), sharey=True,
+                             squeeze=False)
     width = 0.8 / len(kernels)
-    for i, name in enumerate(kernels):
-        values = [next((r["gbps"] for r in rows if r["label"] == lab and r["kernel"] == name), 0) for lab in labels]
-        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
-    ax.axhline(results["decode"]["copy_gbps"], color="gray", linestyle="--", linewidth=1, label="copy bandwidth")
-    ax.set_xticks([x + width * (len(kernels) - 1) / 2 for x in range(len(labels))])
-    ax.set_xticklabels([lab.replace(" H_q", "\nH_q").replace(" float16", "\nfloat16") for lab in labels], fontsize=6)
-    ax.set_ylabel("effective K/V bandwidth (GB/s)")
-    ax.set_title(f"Decode on {results['environment']['gpu']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    for ax, batch in zip(axes.flat, batches):
+        groups = sorted({(r["shape"]["seqlen_k"], r["shape"]["paged"]) for r in rows if r["shape"]["batch"] == batch})
+        for i, name in enumerate(kernels):
+            values = [next((r["gbps"] for r in rows if r["kernel"] == name and r["shape"]["batch"] == batch
+                            and (r["shape"]["seqlen_k"], r["shape"]["paged"]) == group), 0) for group in groups]
+            ax.bar([x + i * width for x in range(len(groups))], values, width, label=name, color=_style(name, i)[0])
+        ax.axhline(results["decode"]["copy_gbps"], color="gray", linestyle="--", linewidth=1, label="copy bandwidth")
+        ax.set_xticks([x + width * (len(kernels) - 1) / 2 for x in range(len(groups))],
+                      [f"L={seqlen // 1024}k\n{'paged' if paged else 'contiguous'}" for seqlen, paged in groups],
+                      fontsize=8)
+        ax.set_title(f"B={batch}", fontsize=10)
+    for ax in axes.flat[len(batches):]:
+        ax.remove()
+    for ax in axes[:, 0]:
+        ax.set_ylabel("effective K/V bandwidth (GB/s)")
+    shape = stages.DECODE[0]
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(f"Decode on {results['environment']['gpu']}: H_q/H_kv {shape.heads_q}/{shape.heads_kv}, "
+                 f"D={shape.head_dim}, fp16 (fp8: GB/s of its half-size cache; SDPA: contiguous caches only)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.6 / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -805,7 +820,8 @@ def replot(out_dir: Path = DEFAULT_OUT) -> list[str]:
 def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 50,
         groupings=None) -> dict:
     """Time ``stage_numbers`` (default: every ready stage; ``groupings``: only the decode shapes of these
-    (H_q, H_kv) pairs), write bench.json, the tables (``course.tools.results``) and the plots in ``out_dir``."""
+    (H_q, H_kv) pairs), merge the rows into ``out_dir``'s bench.json (``results.merge_into``: the rows of
+    what was not timed stay), write the tables (``course.tools.results``) and the plots there."""
     import torch
 
     if not torch.cuda.is_available():
@@ -820,6 +836,7 @@ def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutio
         results["decode"] = bench_decode(decode, impl=impl, repeats=repeats, groupings=groupings)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    results = results_page.merge_into(out_dir, results)  # a partial run keeps every other row
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
     results_page.render(out_dir)
     written = ["bench.json", results_page.TABLES, results_page.BENCH_MD, *write_plots(results, out_dir)]

@@ -12,6 +12,8 @@
 - ``<!-- notebook-index -->`` in a page becomes a table of every notebook with
   a link to its page and a download link for the ``.ipynb``.
 - Each notebook page starts with a download link and the command that runs it.
+- ``assets/course-stages.svg``, the landing page's map of the stages, is drawn
+  from the stage registry (``course.tools.stage_map``) at every build.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
+from course.tools import stage_map
 from course.tools.notebooks import EXECUTED_DIR, NOTEBOOK_DIR, notebooks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +73,8 @@ def on_config(config):
 
 @event_priority(100)  # before mkdocs-jupyter's on_files, which turns .ipynb files into pages
 def on_files(files, config):
+    # The landing page's map of the stages, drawn from the stage registry at every build.
+    files.append(File.generated(config, stage_map.SVG_PATH, content=stage_map.svg()))
     for nb in notebooks():
         uri = f"notebooks/{nb.name}"
         if files.get_file_from_path(uri) is None:
