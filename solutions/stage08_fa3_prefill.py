@@ -13,9 +13,10 @@ a compile-time level (``Step``) so that the benchmark measures each one:
    while the other's GEMMs run.
 2. Intra-warpgroup overlap (``Step.OVERLAP``): each iteration issues
    S = Q K^T(j) and O += P V(j-1), waits for Q K^T(j) only
-   (``wait_group(1)``), and runs softmax(j) while P V(j-1) is still on the
-   tensor cores; P's registers are rewritten only after ``wait_group(0)``.
-   The producer loads V one tile behind K to match.
+   (``wait_group(1)``), so that softmax(j) may run while P V(j-1) is still on
+   the tensor cores (how much of it does is ptxas's choice: ``course sass 8``);
+   P's registers are rewritten only after ``wait_group(0)``. The producer
+   loads V one tile behind K to match.
 3. The softmax tightened (``Step.SOFTMAX``): row maxima and sums over four
    independent chains instead of one, and the first tile without a
    correction; O is rescaled after the P V wait, outside the softmax.

@@ -496,3 +496,17 @@ def test_the_landing_pages_stage_map_has_every_ready_stage():
     boxes = [r for r in root.iter(f"{ns}rect") if r.get("rx")]
     assert len(boxes) == len(ready)
     assert "assets/course-stages.svg" in (ROOT / "docs" / "index.md").read_text()
+
+
+@pytest.mark.compiles
+def test_stage8_sass_listing_is_what_course_sass_prints(capsys):
+    """The page's SASS listing is the output of `python -m course sass 8` for the kernel as it is now."""
+    from course.tools import sass
+
+    if sass.tool_dir() is None:
+        pytest.skip("cuobjdump is not installed: pip install -e '.[dev]' brings nvidia-cuda-cuobjdump")
+    sass.main(8)
+    printed = capsys.readouterr().out
+    assert printed == (ROOT / "docs" / "results" / "stage08-sass.txt").read_text(), (
+        "docs/results/stage08-sass.txt is not what `python -m course sass 8` prints now; regenerate it with "
+        "`python -m course sass 8 > docs/results/stage08-sass.txt` and read the page's SASS paragraphs again")

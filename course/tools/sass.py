@@ -56,6 +56,7 @@ def disassemble(cubin: Path) -> list[tuple[int, str, str]]:
 class Overlap:
     """Between a ``wait_group 1`` and the next ``wait_group 0``: what runs while P V is still on the tensor cores."""
 
+    address: int  # of the wait_group 1
     exp2: int  # MUFU.EX2
     max: int  # FMNMX
     instructions: int
@@ -63,9 +64,9 @@ class Overlap:
 
 def overlaps(code) -> list[Overlap]:
     found, current = [], None
-    for _, opcode, operands in code:
+    for address, opcode, operands in code:
         if opcode == "WARPGROUP.DEPBAR.LE" and "0x1" in operands:
-            current = Overlap(0, 0, 0)
+            current = Overlap(address, 0, 0, 0)
         elif opcode == "WARPGROUP.DEPBAR.LE" and current is not None:
             found.append(current)
             current = None
@@ -76,28 +77,43 @@ def overlaps(code) -> list[Overlap]:
     return found
 
 
-def hgmma_loops(code) -> list[tuple[int, collections.Counter]]:
-    """(first address, instruction counts) of every loop (a backward branch) whose body issues HGMMA."""
+def hgmma_loops(code) -> list[tuple[int, int, collections.Counter]]:
+    """(first address, last address, instruction counts) of every loop (a backward branch) whose body issues
+    HGMMA."""
     loops = []
     for address, opcode, operands in code:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
         if target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
             body = collections.Counter(op for a, op, _ in code if start <= a <= address)
-            if any(op.startswith("HGMMA") for op in body) and not any(start < s <= address for s, _ in loops):
-                loops.append((start, body))
+            if any(op.startswith("HGMMA") for op in body) and not any(start < s <= address for s, _, _ in loops):
+                loops.append((start, address, body))
     return loops
 
 
 def report(cubin: Path, title: str) -> str:
+    """Each KV loop with its instruction mix, and under it each stretch between a ``wait_group 1`` and the
+    next ``wait_group 0`` inside it: how many of the loop's exponentials run while its P V is in flight.
+    Loops with a ``SEL`` per score (a mask's select) are the masked ones; the one marked "no mask" is the
+    common case."""
     code = disassemble(cubin)
     lines = [title]
-    for start, body in hgmma_loops(code):
+    regions, loops = overlaps(code), hgmma_loops(code)
+    def innermost(region):  # loops may nest: a stretch belongs to the smallest loop around it
+        around = [loop for loop in loops if loop[0] <= region.address <= loop[1]]
+        return min(around, key=lambda loop: loop[1] - loop[0])[0] if around else None
+
+    for start, _, body in loops:
         top = ", ".join(f"{op} {n}" for op, n in body.most_common(8))
-        lines.append(f"  KV loop at {start:#06x}: {sum(body.values())} instructions; {top}")
-    for overlap in overlaps(code):
-        lines.append(f"  between wait_group 1 and wait_group 0: {overlap.instructions} instructions, "
-                     f"{overlap.exp2} MUFU.EX2, {overlap.max} FMNMX")
+        masked = body["SEL"] >= 32  # a mask selects each of a thread's 64 scores (and a few SEL are not masks)
+        lines.append(f"  KV loop at {start:#06x}{'' if masked else ' (no mask)'}: {sum(body.values())} "
+                     f"instructions; {top}")
+        for overlap in (r for r in regions if innermost(r) == start):
+            lines.append(f"    between wait_group 1 (at {overlap.address:#06x}) and wait_group 0: {overlap.instructions} "
+                         f"instructions, {overlap.exp2} of the loop's {body['MUFU.EX2']} MUFU.EX2, {overlap.max} FMNMX")
+    for overlap in (r for r in regions if innermost(r) is None):
+        lines.append(f"  outside the loops, between wait_group 1 (at {overlap.address:#06x}) and wait_group 0: "
+                     f"{overlap.instructions} instructions, {overlap.exp2} MUFU.EX2, {overlap.max} FMNMX")
     return "\n".join(lines)
 
 
