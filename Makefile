@@ -17,7 +17,7 @@ READY := $(VENV)/.ready
 TORCH_CHOICE := $(VENV)/.torch-choice
 CONSTRAINTS := constraints.txt
 
-.PHONY: help status test docs site constraints FORCE
+.PHONY: help status test quick docs site constraints FORCE
 
 help:  ## this list
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z]+):.*## /  make \1\t/' | expand -t 20
@@ -29,6 +29,10 @@ status: $(READY)  ## the table of stages: TODOs left, sm_90a cross-compile, CPU 
 test: $(READY)  ## lint (ruff), then the whole test suite (GPU tests run on Hopper, skipped with the reason elsewhere)
 	$(BIN)/ruff check course solutions tests docs/hooks
 	$(BIN)/python -m pytest
+
+quick: $(READY)  ## lint, then the tests without cross-compiles, docs or notebooks (the edit loop; make test runs all)
+	$(BIN)/ruff check course solutions tests docs/hooks
+	$(BIN)/python -m pytest -m "not compiles" --ignore=tests/test_docs.py --ignore=tests/test_site.py
 
 docs: $(READY)  ## serve the docs site at http://127.0.0.1:8000, rebuilt on every change
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
