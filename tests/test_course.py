@@ -202,6 +202,9 @@ def test_a_partial_bench_run_keeps_every_other_row(tmp_path, capsys):
     run = fake_decode_results([(64, 1)])
     merged = results_page.merge_into(tmp_path, run)
     assert merged["rows"] == earlier["rows"], "the prefill rows of the earlier run are gone"
+    later = {**run, "environment": {**run["environment"], "date": "tomorrow"}}
+    assert results_page.merge([merged, later, later])["environment"]["date"] == "today, tomorrow", (
+        "a merged file's dates are listed once each, however often it is merged again")
     assert sorted((r["label"], r["kernel"]) for r in merged["decode"]["rows"]) == sorted(
         (r["label"], r["kernel"]) for r in earlier["decode"]["rows"])
     other_gpu = {**run, "environment": {**run["environment"], "gpu": "another GPU"}}
