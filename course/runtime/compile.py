@@ -103,12 +103,17 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores")
 
 
-def resource_usage(cubin: Path, ptx: Path) -> tuple[int, int] | None:
+def resource_usage(cubin: Path, ptx: Path, ptxas_report: str = "") -> tuple[int, int] | None:
     """(registers per thread, spill bytes) of the compiled kernel.
 
-    Read from the cubin with ``cuobjdump -res-usage`` where the CUDA toolkit
-    has it, else from ``ptxas -v`` on the PTX (same ptxas, same numbers).
+    Read from ``ptxas_report`` (the ``-v`` lines of the compile's own ptxas run)
+    when given, else from the cubin with ``cuobjdump -res-usage`` where the CUDA
+    toolkit has it, else from a second ``ptxas -v`` on the PTX (same ptxas,
+    same numbers, half a second more).
     """
+    regs, spill = _PTXAS_REGS.search(ptxas_report), _PTXAS_SPILL.search(ptxas_report)
+    if regs and spill:
+        return int(regs.group(1)), int(spill.group(1))
     if shutil.which("cuobjdump") and cubin.exists():
         out = subprocess.run(["cuobjdump", "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         m = _CUOBJDUMP.search(out)
@@ -135,9 +140,12 @@ def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport
 
     with tempfile.TemporaryDirectory(prefix="course-cc-") as tmp:
         start = time.perf_counter()
+        # remarks{ptx}: the DSL runs its ptxas with -v and writes what it says to the remark file.
+        remarks = Path(tmp) / "ptxas-remarks.yaml"
         compiled = cute.compile(
             jit_fn, *args, fake_stream(),
-            options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin --dump-dir {tmp}",
+            options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin --dump-dir {tmp} "
+                    f"--remark-output {remarks} remarks{{ptx}}",
         )
         report = CompileReport(name=name, seconds=time.perf_counter() - start)
         storage = getattr(jit_fn, "shared_storage", None)
@@ -147,13 +155,16 @@ def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport
         ptx.write_text(compiled.artifacts.PTX)
         cubin.write_bytes(compiled.artifacts.CUBIN)
         report.ptx_instructions = _ptx_features(compiled.artifacts.PTX)
-        usage = resource_usage(cubin, ptx)
+        usage = resource_usage(cubin, ptx, remarks.read_text() if remarks.exists() else "")
         if usage is not None:
             report.registers, report.spill_bytes = usage
         if keep:
             ARTIFACT_ROOT.mkdir(parents=True, exist_ok=True)
             for path in (ptx, cubin):
-                shutil.copy(path, ARTIFACT_ROOT / path.name)
+                # Copied whole, then renamed: parallel test workers may read the same artefact.
+                staged = Path(tempfile.mkstemp(dir=ARTIFACT_ROOT, prefix=f".{path.name}.")[1])
+                shutil.copy(path, staged)
+                staged.replace(ARTIFACT_ROOT / path.name)
                 report.artifacts[path.suffix[1:]] = str(ARTIFACT_ROOT / path.name)
         return report
 
