@@ -104,10 +104,11 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     The first k-block runs with ACCUMULATE off, which zero-initializes acc.
     The caller waits with ``warpgroup.wait_group(0)`` before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom =
-    #   cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode
-    #   2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first
-    #   k-block only; then warpgroup.commit_group().
+    # [exercise 1] acc = A B over every k-block of tCrA/tCrB, issued as ONE committed group of
+    #   asynchronous WGMMAs. Whatever acc held before is discarded (no zero-fill needed); register
+    #   writes made before the call must be ordered before the MMAs read them; nothing waits here
+    #   (the caller does). tiled_mma is shared by every call: leave its fields alone.
+    #   (page: Warpgroups and WGMMA)
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -147,11 +148,11 @@ def softmax_rows(acc_S: cute.Tensor, scale_log2: cutlass.Float32) -> cute.Tensor
     """
     s = rows_cols_view(acc_S)
     row_sum = cute.make_rmem_tensor(cute.size(s, mode=[0]), cutlass.Float32)
-    # [exercise 1] For each row r of s (cutlass.range_constexpr over the modes of s): row max over
-    #   the thread's values (cute.arch.fmax), then over the quad (cute.arch.warp_reduction_max(x,
-    #   threads_in_group=4)); P = cute.math.exp2(s * scale_log2 - max * scale_log2, fastmath=True)
-    #   in place; row_sum[r] = the quad's sum of P (cute.arch.warp_reduction_sum(x,
-    #   threads_in_group=4)).
+    # [exercise 1] On return every s[r, c] holds P as the docstring defines it, in place of S
+    #   (each value in [0, 1]; a -inf score gives 0), and row_sum[r] is the sum of P over the
+    #   WHOLE row. A row's columns are spread over the 4 threads of a quad: its max and its sum
+    #   must cover all four threads, and all four end with the same values.
+    #   (page: Softmax on the accumulator fragment)
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row_max = s[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
@@ -172,9 +173,10 @@ def softmax_rows(acc_S: cute.Tensor, scale_log2: cutlass.Float32) -> cute.Tensor
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
-    # [exercise 1] Convert acc_S to dtype in a new register tensor
-    #   (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then
-    #   return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
+    # [exercise 1] Return P as a NEW register tensor of dtype (fp16/bf16) holding acc_S's fp32
+    #   values, laid out as the A operand of the P V WGMMA. No value moves between threads and
+    #   nothing goes through shared memory; acc_S is left as it is.
+    #   (page: From S to P without shared memory)
     rP = cute.make_rmem_tensor_like(acc_S, dtype)
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))

@@ -99,10 +99,11 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
     before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom =
-    #   cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode
-    #   2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first
-    #   k-block only; then warpgroup.commit_group().
+    # [exercise 1] acc = A B (acc += A B when zero_init is False) over every k-block of tCrA/tCrB,
+    #   issued as ONE committed group of asynchronous WGMMAs. With zero_init, whatever acc held is
+    #   discarded (no zero-fill needed); register writes made before the call must be ordered
+    #   before the MMAs read them; nothing waits here (the caller does). tiled_mma is shared by
+    #   every call: leave its fields alone. (stage 1 page: Warpgroups and WGMMA)
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -140,11 +141,11 @@ def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
     """
     s = rows_cols_view(acc_S)
     o = rows_cols_view(acc_O)
-    # [exercise 3] For each row r: the tile's row max (cute.arch.fmax over the thread's values, then
-    #   cute.arch.warp_reduction_max(x, threads_in_group=4)); new_max = max(row_max[r], it);
-    #   correction = cute.math.exp2((row_max[r] - new_max) * scale_log2, fastmath=True); P =
-    #   cute.math.exp2(s * scale_log2 - new_max * scale_log2, fastmath=True) in place; row_sum[r] =
-    #   row_sum[r] * correction + sum of P; O[r, :] *= correction; row_max[r] = new_max.
+    # [exercise 3] For each row r: after this tile, row_max[r] is the max over every key seen so
+    #   far (the same in the 4 threads of the quad), S holds P relative to it, and row_sum[r] and
+    #   row r of O are relative to it too: what they held before was relative to the old max.
+    #   row_max stays in raw score units (scale_log2 is applied once, inside the exponent);
+    #   row_sum holds this thread's columns only. (page: From two passes to one)
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         tile_max = s[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
@@ -175,9 +176,10 @@ def quad_allreduce(values: cute.Tensor, reduce):
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
-    # [exercise 1] Convert acc_S to dtype in a new register tensor
-    #   (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then
-    #   return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
+    # [exercise 1] Return P as a NEW register tensor of dtype (fp16/bf16) holding acc_S's fp32
+    #   values, laid out as the A operand of the P V WGMMA. No value moves between threads and
+    #   nothing goes through shared memory; acc_S is left as it is.
+    #   (stage 1 page: From S to P without shared memory)
     rP = cute.make_rmem_tensor_like(acc_S, dtype)
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
@@ -191,9 +193,10 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     The copy completes on the buffer's "full" barrier, which ``producer_acquire``
     armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
     """
-    # [exercise 2] pipe.producer_acquire(state); cute.copy(tma_atom, source, destination,
-    #   tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer
-    #   state.index (mode 1 of tXsX); pipe.producer_commit(state).
+    # [exercise 2] Producer step: KV tile n_block (the runtime index, never a trace-time constant)
+    #   lands in the ring buffer that state points at. The copy may start only once that buffer is
+    #   empty, and must complete on that buffer's full barrier, which the consumers wait on. The
+    #   caller advances state. (stage 2 page: Producer and consumer steps)
     pipe.producer_acquire(state)
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
@@ -208,9 +211,10 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     Waits for the K buffer to be full and releases it as soon as the WGMMAs
     that read it have completed, so the producer can refill it early.
     """
-    # [exercise 2] pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer
-    #   k_state.index (mode 3 of tSrK); warpgroup.wait_group(0);
-    #   pipeline_k.consumer_release(k_state).
+    # [exercise 2] Consumer step: on return acc_S = Q K^T for the K tile in the ring buffer that
+    #   k_state points at. Read the buffer only once it is full, and hand it back to the producer
+    #   as soon as (and not before) the WGMMAs that read it have completed. The caller advances
+    #   k_state. (stage 2 page: Producer and consumer steps)
     pipeline_k.consumer_wait(k_state)
     warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
     warpgroup.wait_group(0)
@@ -228,10 +232,11 @@ def attend_kv_tiles(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
                     seqlen_k: cutlass.Int32, row_max: cute.Tensor, row_sum: cute.Tensor,
                     scale_log2: cutlass.Float32, dtype: cutlass.Constexpr):
     """One pass: stream K and V once; online softmax, O += P V, row sums."""
-    # [exercise 3] For every KV tile (a runtime loop: cutlass.range(..., unroll=1)): tile_scores and
-    #   k_state.advance(); online_softmax; P as the A operand (scores_to_operand_a);
-    #   pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False);
-    #   warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance().
+    # [exercise 3] One pass over the KV tiles, in the producer's order: afterwards acc_O is the
+    #   sum of P V relative to the final row_max (unnormalized) and row_max/row_sum are the online
+    #   softmax's. Each K and V buffer is used only once full and released once the WGMMAs that
+    #   read it have completed; O may be rescaled, and P's registers reused, only while no P V
+    #   WGMMA that reads them is in flight. (page: The loop)
     for n_block in cutlass.range(n_blocks, unroll=1):
         tile_scores(qk_mma, acc_S, tSrQ, tSrK, pipeline_k, k_state, tScS, n_block, seqlen_k)
         k_state.advance()

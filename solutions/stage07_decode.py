@@ -178,10 +178,12 @@ def online_softmax_update(scores: cute.Tensor, rV: cute.Tensor, row_max: cute.Te
     and sum; each holds its own 8 columns of O.
     """
     num_heads, unroll = cute.size(scores, mode=[0]), cute.size(scores, mode=[1])
-    # [exercise 7] For each head h: new max m = max(row_max[h], scores[h, :]) (cute.arch.fmax); use
-    #   0 instead of m while it is -inf (cutlass.select_(m == -Float32.inf, Float32(0.0), m));
-    #   rescale row_sum[h] and acc[h, :] by cute.math.exp2(row_max[h] - m, fastmath=True); add p_u =
-    #   exp2(scores[h, u] - m) to row_sum[h] and p_u * rV[u, :].to(Float32) to acc[h, :]; store m.
+    # [exercise 7] For each head h, fold the UNROLL new keys into the key group's running state:
+    #   afterwards row_max[h] is the max of every score seen, and row_sum[h] and acc[h, :] (fp32)
+    #   are the softmax numerators' sum and V-weighted sum over every key seen, relative to that
+    #   max (the old values were relative to the old max). Scores are already in exp2 units. A
+    #   -inf score adds nothing; while every score seen is -inf all stays 0, never NaN.
+    #   (page: The online softmax of a key group)
     for h in cutlass.range_constexpr(num_heads):
         new_max = row_max[h]
         for u in cutlass.range_constexpr(unroll):
@@ -216,11 +218,11 @@ def split_partial(maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor, h: I
     """
     num_groups = cute.size(maxes, mode=[0])
     part = cute.make_rmem_tensor((4,), Float32)
-    # [exercise 7] The split's statistics: M = max over groups of maxes[g, h] (cute.arch.fmax; 0 if
-    #   -inf); w_g = cute.math.exp2(maxes[g, h] - M, fastmath=True); L = sum w_g * sums[g, h]; o =
-    #   sum w_g * (group g's 4 columns: cute.autovec_copy(cute.local_tile(accs[g, h, None], (4,),
-    #   (quad,)), part)). Then o *= 1 / L; return M + cute.math.log2(L, fastmath=True); when L == 0:
-    #   o = 0 and -inf (cutlass.select_).
+    # [exercise 7] Merge the key groups' states for head h (each relative to its own max) into the
+    #   split's result: o gets the 4 columns of O that quad selects, normalized by the split's own
+    #   sum, and lse, for the return below, the split's LSE in log2 units. A group that saw no key
+    #   weighs nothing; a split that saw none gives o = 0 and lse = -inf, never NaN. part holds
+    #   one group's 4 columns. (page: From key groups to the split's partial)
     big = -Float32.inf
     for g in cutlass.range_constexpr(num_groups):
         big = cute.arch.fmax(big, maxes[g, h])
@@ -257,17 +259,18 @@ def arrive_and_elect_last(counter: cute.Pointer, num_splits: Int32, s_flag: cute
     tidx, _, _ = cute.arch.thread_idx()
     cute.arch.sync_threads()  # every thread's partial stores happen before thread 0's release
     if tidx == 0:
-        # [exercise 7] Thread 0: the atomic add of 1 on the counter, cute.arch.atomic_add(counter,
-        #   Int32(1), sem="acq_rel", scope="gpu"); it returns the count before; store 1 in s_flag[0]
-        #   if this CTA is the last (old count == num_splits - 1), else 0.
+        # [exercise 7] Thread 0 counts this CTA's split on counter with one atomic that both
+        #   publishes this CTA's partials (release) and sees every earlier CTA's (acquire), at GPU
+        #   scope; s_flag[0] = 1 if this CTA arrived last of num_splits, else 0. Exactly one CTA
+        #   per launch sees 1. (page: Memory ordering: barrier, atomic, barrier)
         arrived_before = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
         is_last = arrived_before == num_splits - 1
         s_flag[0] = Int32(cutlass.select_(is_last, Int32(1), Int32(0)))
         # [/exercise]
         if s_flag[0] == 1:
-            # [exercise 7] The last CTA resets the counter to 0 with a relaxed gpu-scope store
-            #   (cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")), so the next launch
-            #   and every CUDA graph replay start from zero.
+            # [exercise 7] The last CTA puts the counter back to 0, so the next launch and every
+            #   CUDA graph replay start from zero. Nobody else touches it in this launch: no
+            #   ordering is needed. (page: Memory ordering: barrier, atomic, barrier)
             cute.arch.store(counter, Int32(0), sem="relaxed", scope="gpu")
             # [/exercise]
     cute.arch.sync_threads()  # the flag is in shared memory for everybody
@@ -285,9 +288,11 @@ def fold_in_split(lse: Float32, part: cute.Tensor, state: cute.Tensor, o: cute.T
     of the LSEs so far; ``state[1]``: the running total, sum_s exp2(lse_s - M);
     ``o``: sum_s exp2(lse_s - M) * O_s for the same 4 columns.
     """
-    # [exercise 7] New max m = cute.arch.fmax(state[0], lse), 0 instead of m while it is -inf
-    #   (cutlass.select_); rescale state[1] and o by cute.math.exp2(state[0] - m, fastmath=True);
-    #   add w = exp2(lse - m) to state[1] and w * part to o; store m in state[0].
+    # [exercise 7] Fold one split into the running combine: afterwards state[0] is the max of
+    #   every LSE folded so far, state[1] the sum of the splits' weights and o the weighted sum of
+    #   their O, both relative to it (the docstring's invariant; the old values were relative to
+    #   the old max). A split with lse -inf weighs 0; while every LSE seen is -inf all stays 0,
+    #   never NaN. (page: The combine)
     new_max = cute.arch.fmax(state[0], lse)
     safe_max = Float32(cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max))
     correction = cute.math.exp2(state[0] - safe_max, fastmath=True)
@@ -306,10 +311,10 @@ def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_s
     A sink adds exp2(sink - M) to the denominator only. An all-empty row (no
     visible key, no sink) has total 0: O = 0 and LSE = -inf, never NaN.
     """
-    # [exercise 7] With has_sink (cutlass.const_expr): fold the sink in with fold_in_split, as a
-    #   split whose LSE is sink_log2 and whose columns are all 0 (a cute.make_rmem_tensor filled
-    #   with 0). Then o *= 1 / state[1] (0 when the total is 0); return M + cute.math.log2(total,
-    #   fastmath=True), or -inf when the total is 0 (cutlass.select_).
+    # [exercise 7] With a sink (has_sink, decided at compile time: no sink code otherwise) the
+    #   sink logit joins the denominator once, as a term with no value. Then o is the combined O
+    #   divided by the total, and lse, for the return below, the row's LSE in log2 units. A total
+    #   of 0 (nothing visible, no sink) gives o = 0 and lse = -inf, never NaN. (page: The combine)
     if cutlass.const_expr(has_sink):
         no_columns = cute.make_rmem_tensor((cute.size(o),), Float32)
         no_columns.fill(0.0)

@@ -104,10 +104,11 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
     before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom =
-    #   cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode
-    #   2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first
-    #   k-block only; then warpgroup.commit_group().
+    # [exercise 1] acc = A B (acc += A B when zero_init is False) over every k-block of tCrA/tCrB,
+    #   issued as ONE committed group of asynchronous WGMMAs. With zero_init, whatever acc held is
+    #   discarded (no zero-fill needed); register writes made before the call must be ordered
+    #   before the MMAs read them; nothing waits here (the caller does). tiled_mma is shared by
+    #   every call: leave its fields alone. (stage 1 page: Warpgroups and WGMMA)
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -142,9 +143,10 @@ def update_row_max(acc_S: cute.Tensor, row_max: cute.Tensor):
     associative, so reducing once at the end gives the same answer.
     """
     s = rows_cols_view(acc_S)
-    # TODO(stage 2): For each row r: row_max[r] = max(row_max[r], every s[r, c] of this tile), with
-    #   cute.arch.fmax.
-    raise NotImplementedError('TODO(stage 2) in update_row_max(): For each row r: row_max[r] = max(row_max[r], every s[r, c] of this tile), with cute.arch.fmax. Hints: docs/stages/02-multi-tile.md')
+    # TODO(stage 2): After the call row_max[r] is the larger of its old value and every score this
+    #   thread holds in row r of this tile. This thread's columns only: the quad is reduced once,
+    #   after the last tile. (page: Why two passes)
+    raise NotImplementedError("TODO(stage 2) in update_row_max(): After the call row_max[r] is the larger of its old value and every score this thread holds in row r of this tile. This thread's columns only: the quad is reduced once, after the last tile. (page: Why two passes) Hints: docs/stages/02-multi-tile.md")
 
 
 @cute.jit
@@ -153,9 +155,11 @@ def exponentiate_rows(acc_S: cute.Tensor, row_max: cute.Tensor, scale_log2: cutl
     """Pass 2: P = exp2(S * scale_log2 - max * scale_log2) in place with the final row max;
     add this tile's part of each row sum (this thread's columns only)."""
     s = rows_cols_view(acc_S)
-    # TODO(stage 2): For each row r: P = cute.math.exp2(s * scale_log2 - row_max[r] * scale_log2,
-    #   fastmath=True) in place, row_sum[r] += the thread's sum of P.
-    raise NotImplementedError("TODO(stage 2) in exponentiate_rows(): For each row r: P = cute.math.exp2(s * scale_log2 - row_max[r] * scale_log2, fastmath=True) in place, row_sum[r] += the thread's sum of P. Hints: docs/stages/02-multi-tile.md")
+    # TODO(stage 2): row_max is final (every tile, whole quad). On return S holds P against it, in
+    #   the same units as stage 1's softmax_rows, and row_sum[r] has grown by this tile's P of
+    #   this thread's columns (no quad reduction: that comes after the last tile).
+    #   (page: Why two passes)
+    raise NotImplementedError("TODO(stage 2) in exponentiate_rows(): row_max is final (every tile, whole quad). On return S holds P against it, in the same units as stage 1's softmax_rows, and row_sum[r] has grown by this tile's P of this thread's columns (no quad reduction: that comes after the last tile). (page: Why two passes) Hints: docs/stages/02-multi-tile.md")
 
 
 @cute.jit
@@ -169,9 +173,10 @@ def quad_allreduce(values: cute.Tensor, reduce):
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
-    # [exercise 1] Convert acc_S to dtype in a new register tensor
-    #   (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then
-    #   return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
+    # [exercise 1] Return P as a NEW register tensor of dtype (fp16/bf16) holding acc_S's fp32
+    #   values, laid out as the A operand of the P V WGMMA. No value moves between threads and
+    #   nothing goes through shared memory; acc_S is left as it is.
+    #   (stage 1 page: From S to P without shared memory)
     rP = cute.make_rmem_tensor_like(acc_S, dtype)
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
@@ -186,10 +191,11 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     The copy completes on the buffer's "full" barrier, which ``producer_acquire``
     armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
     """
-    # TODO(stage 2): pipe.producer_acquire(state); cute.copy(tma_atom, source, destination,
-    #   tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer
-    #   state.index (mode 1 of tXsX); pipe.producer_commit(state).
-    raise NotImplementedError('TODO(stage 2) in load_tile(): pipe.producer_acquire(state); cute.copy(tma_atom, source, destination, tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer state.index (mode 1 of tXsX); pipe.producer_commit(state). Hints: docs/stages/02-multi-tile.md')
+    # TODO(stage 2): Producer step: KV tile n_block (the runtime index, never a trace-time constant)
+    #   lands in the ring buffer that state points at. The copy may start only once that buffer is
+    #   empty, and must complete on that buffer's full barrier, which the consumers wait on. The
+    #   caller advances state. (page: Producer and consumer steps)
+    raise NotImplementedError("TODO(stage 2) in load_tile(): Producer step: KV tile n_block (the runtime index, never a trace-time constant) lands in the ring buffer that state points at. The copy may start only once that buffer is empty, and must complete on that buffer's full barrier, which the consumers wait on. The caller advances state. (page: Producer and consumer steps) Hints: docs/stages/02-multi-tile.md")
 # --8<-- [end:load_tile]
 
 
@@ -202,10 +208,11 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     Waits for the K buffer to be full and releases it as soon as the WGMMAs
     that read it have completed, so the producer can refill it early.
     """
-    # TODO(stage 2): pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer
-    #   k_state.index (mode 3 of tSrK); warpgroup.wait_group(0);
-    #   pipeline_k.consumer_release(k_state).
-    raise NotImplementedError('TODO(stage 2) in tile_scores(): pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer k_state.index (mode 3 of tSrK); warpgroup.wait_group(0); pipeline_k.consumer_release(k_state). Hints: docs/stages/02-multi-tile.md')
+    # TODO(stage 2): Consumer step: on return acc_S = Q K^T for the K tile in the ring buffer that
+    #   k_state points at. Read the buffer only once it is full, and hand it back to the producer
+    #   as soon as (and not before) the WGMMAs that read it have completed. The caller advances
+    #   k_state. (page: Producer and consumer steps)
+    raise NotImplementedError('TODO(stage 2) in tile_scores(): Consumer step: on return acc_S = Q K^T for the K tile in the ring buffer that k_state points at. Read the buffer only once it is full, and hand it back to the producer as soon as (and not before) the WGMMAs that read it have completed. The caller advances k_state. (page: Producer and consumer steps) Hints: docs/stages/02-multi-tile.md')
     if (n_block + 1) * TILE_N > seqlen_k:  # only the last tile can hold keys beyond S_k
         mask_keys_beyond(acc_S, tScS, seqlen_k - n_block * TILE_N)
 # --8<-- [end:tile_scores]
@@ -217,10 +224,11 @@ def first_pass_row_max(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Ten
                        pipeline_k, k_state, tScS: cute.Tensor, n_blocks: cutlass.Int32,
                        seqlen_k: cutlass.Int32, row_max: cute.Tensor):
     """Pass 1: stream every K tile and fold its scores into the row maxima; return the K state."""
-    # TODO(stage 2): For every KV tile (a runtime loop: cutlass.range(n_blocks, unroll=1)):
-    #   tile_scores, k_state.advance(), update_row_max; after the loop, quad-reduce row_max
-    #   (quad_allreduce with cute.arch.warp_reduction_max).
-    raise NotImplementedError('TODO(stage 2) in first_pass_row_max(): For every KV tile (a runtime loop: cutlass.range(n_blocks, unroll=1)): tile_scores, k_state.advance(), update_row_max; after the loop, quad-reduce row_max (quad_allreduce with cute.arch.warp_reduction_max). Hints: docs/stages/02-multi-tile.md')
+    # TODO(stage 2): Pass 1 over KV tiles 0 .. n_blocks - 1 (a runtime loop), in the order the
+    #   producer loads them: afterwards row_max[r] is the max of row r over all S_k keys, the same
+    #   in the 4 threads of a quad. Every K buffer waited for is released, and k_state ends past
+    #   the last tile: pass 2 continues from it. (page: Why two passes)
+    raise NotImplementedError('TODO(stage 2) in first_pass_row_max(): Pass 1 over KV tiles 0 .. n_blocks - 1 (a runtime loop), in the order the producer loads them: afterwards row_max[r] is the max of row r over all S_k keys, the same in the 4 threads of a quad. Every K buffer waited for is released, and k_state ends past the last tile: pass 2 continues from it. (page: Why two passes) Hints: docs/stages/02-multi-tile.md')
     return k_state
 
 
@@ -231,11 +239,12 @@ def second_pass_accumulate(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: 
                            seqlen_k: cutlass.Int32, row_max: cute.Tensor, row_sum: cute.Tensor,
                            scale_log2: cutlass.Float32, dtype: cutlass.Constexpr):
     """Pass 2: stream K and V again; P with the final row max, O += P V, row sums."""
-    # TODO(stage 2): For every KV tile (cutlass.range(n_blocks, unroll=1)): tile_scores and
-    #   k_state.advance(); exponentiate_rows; P as the A operand (scores_to_operand_a);
-    #   pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False);
-    #   warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance().
-    raise NotImplementedError('TODO(stage 2) in second_pass_accumulate(): For every KV tile (cutlass.range(n_blocks, unroll=1)): tile_scores and k_state.advance(); exponentiate_rows; P as the A operand (scores_to_operand_a); pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False); warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance(). Hints: docs/stages/02-multi-tile.md')
+    # TODO(stage 2): Pass 2 over the same tiles, again in the producer's order (K then V of each):
+    #   afterwards acc_O is the sum over tiles of P V with P against the final row_max
+    #   (accumulated, never overwritten) and row_sum this thread's share of the row sums. Each K
+    #   and V buffer is used only once full and released once the WGMMAs that read it have
+    #   completed; both states advance one buffer per tile. (page: Why two passes)
+    raise NotImplementedError("TODO(stage 2) in second_pass_accumulate(): Pass 2 over the same tiles, again in the producer's order (K then V of each): afterwards acc_O is the sum over tiles of P V with P against the final row_max (accumulated, never overwritten) and row_sum this thread's share of the row sums. Each K and V buffer is used only once full and released once the WGMMAs that read it have completed; both states advance one buffer per tile. (page: Why two passes) Hints: docs/stages/02-multi-tile.md")
 # --8<-- [end:passes]
 
 

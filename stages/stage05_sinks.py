@@ -103,10 +103,11 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
     before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: warpgroup.fence(); then, on a private atom mma_atom =
-    #   cute.make_mma_atom(tiled_mma.op), one cute.gemm(mma_atom, acc, A, B, acc) per k-block (mode
-    #   2 of tCrA/tCrB), with mma_atom.set(warpgroup.Field.ACCUMULATE, ...) off for the first
-    #   k-block only; then warpgroup.commit_group().
+    # [exercise 1] acc = A B (acc += A B when zero_init is False) over every k-block of tCrA/tCrB,
+    #   issued as ONE committed group of asynchronous WGMMAs. With zero_init, whatever acc held is
+    #   discarded (no zero-fill needed); register writes made before the call must be ordered
+    #   before the MMAs read them; nothing waits here (the caller does). tiled_mma is shared by
+    #   every call: leave its fields alone. (stage 1 page: Warpgroups and WGMMA)
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -137,10 +138,13 @@ class WindowMask:
     @cute.jit
     def kv_block_range(self):
         """[n_block_min, n_block_max): the KV tiles with a visible key for some row of this tile."""
-        # [exercise 4] n_block_max: tiles up to the last row's last visible key (with a right bound,
-        #   if cutlass.const_expr(self.has_right); capped by S_k and >= 0 with cutlass.min /
-        #   cutlass.max); n_block_min: the tile of the first row's first visible key (with a left
-        #   bound; >= 0, <= n_block_max).
+        # [exercise 4] n_block_max and n_block_min bound the half-open range of KV tiles that
+        #   holds every key visible to some row of this Q tile (its rows stop at S_q in the tail
+        #   tile), from the first row's first visible key to the last row's last. Too long is
+        #   correct but slow; too short drops keys. Both lie in [0, number of KV tiles],
+        #   n_block_min <= n_block_max (an empty range is fine), and an unbounded side compiles to
+        #   no code. Int32 division truncates toward zero.
+        #   (stage 4 page: Skipping tiles: the block range)
         n_block_max = (self.seqlen_k + TILE_N - 1) // TILE_N
         n_block_min = cutlass.Int32(0)
         if cutlass.const_expr(self.has_right):
@@ -159,9 +163,11 @@ class WindowMask:
         """How many tiles of sink tokens lie below the window's range (visited first)."""
         count = cutlass.Int32(0)
         if cutlass.const_expr(self.has_sink_tokens):
-            # TODO(stage 5): count = the number of tiles that hold keys < num_sink_tokens, but at most
-            #   n_block_min (cutlass.min): the window's range already has the others.
-            raise NotImplementedError("TODO(stage 5) in sink_block_count(): count = the number of tiles that hold keys < num_sink_tokens, but at most n_block_min (cutlass.min): the window's range already has the others. Hints: docs/stages/05-sinks.md")
+            # TODO(stage 5): Set count to the number of KV tiles that hold a sink token (key <
+            #   num_sink_tokens) and lie below n_block_min: the tiles the loop visits before the
+            #   window's range. A tile already in the range must not be visited twice.
+            #   (page: Sink tokens: visible despite the window)
+            raise NotImplementedError("TODO(stage 5) in sink_block_count(): Set count to the number of KV tiles that hold a sink token (key < num_sink_tokens) and lie below n_block_min: the tiles the loop visits before the window's range. A tile already in the range must not be visited twice. (page: Sink tokens: visible despite the window) Hints: docs/stages/05-sinks.md")
         return count
 
     @cute.jit
@@ -188,9 +194,11 @@ class WindowMask:
         """Is ``key`` left of its row's window? Sink tokens never are."""
         outside = key < key_start
         if cutlass.const_expr(self.has_sink_tokens):
-            # TODO(stage 5): Sink tokens (key < self.num_sink_tokens) are exempt from the left bound:
-            #   combine the two conditions with & (runtime Booleans: no Python `and`).
-            raise NotImplementedError('TODO(stage 5) in outside_left_bound(): Sink tokens (key < self.num_sink_tokens) are exempt from the left bound: combine the two conditions with & (runtime Booleans: no Python `and`). Hints: docs/stages/05-sinks.md')
+            # TODO(stage 5): outside ends True only for a key that is left of its row's window AND
+            #   is not a sink token (key < num_sink_tokens): sink tokens ignore the left bound,
+            #   never the right one. Both conditions are runtime Booleans, which Python's
+            #   and/or/not cannot combine. (page: Sink tokens: visible despite the window)
+            raise NotImplementedError("TODO(stage 5) in outside_left_bound(): outside ends True only for a key that is left of its row's window AND is not a sink token (key < num_sink_tokens): sink tokens ignore the left bound, never the right one. Both conditions are runtime Booleans, which Python's and/or/not cannot combine. (page: Sink tokens: visible despite the window) Hints: docs/stages/05-sinks.md")
         return outside
 
     @cute.jit
@@ -199,11 +207,11 @@ class WindowMask:
         s = rows_cols_view(acc_S)
         coord = rows_cols_view(tScS)
         key0 = n_block * TILE_N
-        # [exercise 4] For each row r (row = row0 + coord[r, 0][0]): key_end = S_k, or with a right
-        #   bound cutlass.min(S_k, row + offset + right + 1); with a left bound key_start = row +
-        #   offset - left; then every s[r, c] whose key (key0 + coord[r, c][1]) is outside
-        #   [key_start, key_end) becomes -cutlass.Float32.inf (a runtime if per register; the
-        #   bounds' presence is cutlass.const_expr(self.has_left / has_right)).
+        # [exercise 4] Every s[r, c] whose key its row may not see (outside the row's window, or
+        #   at or past S_k: the rule of The semantics) becomes -inf; visible scores stay as they
+        #   are. coord gives each register's (row, col) inside this Q tile and KV tile, not in the
+        #   sequence. An unbounded side compiles to no code. The left bound goes through
+        #   outside_left_bound, which exempts sink tokens. (stage 4 page: Masking in registers)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             row = self.row0 + coord[r, 0][0]
             key_end = self.seqlen_k
@@ -232,11 +240,13 @@ def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
     """
     s = rows_cols_view(acc_S)
     o = rows_cols_view(acc_O)
-    # [exercise 3] For each row r: the tile's row max (cute.arch.fmax over the thread's values, then
-    #   cute.arch.warp_reduction_max(x, threads_in_group=4)); new_max = max(row_max[r], it);
-    #   correction = cute.math.exp2((row_max[r] - new_max) * scale_log2, fastmath=True); P =
-    #   cute.math.exp2(s * scale_log2 - new_max * scale_log2, fastmath=True) in place; row_sum[r] =
-    #   row_sum[r] * correction + sum of P; O[r, :] *= correction; row_max[r] = new_max.
+    # [exercise 3] For each row r: after this tile, row_max[r] is the max over every key seen so
+    #   far (the same in the 4 threads of the quad), S holds P relative to it, and row_sum[r] and
+    #   row r of O are relative to it too: what they held before was relative to the old max.
+    #   row_max stays in raw score units (scale_log2 is applied once, inside the exponent);
+    #   row_sum holds this thread's columns only. A row that has seen no visible key yet (max
+    #   -inf) gets P = 0 and keeps O and its sum at 0, never NaN.
+    #   (stage 3 page: From two passes to one; stage 4 page: Rows with no visible key)
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         tile_max = s[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
@@ -271,9 +281,10 @@ def quad_allreduce(values: cute.Tensor, reduce):
 @cute.jit
 def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Tensor:
     """P in registers as the fp16/bf16 A operand of O = P V (no trip through shared memory)."""
-    # [exercise 1] Convert acc_S to dtype in a new register tensor
-    #   (cute.make_rmem_tensor_like(acc_S, dtype), filled with .store(acc_S.load().to(dtype))), then
-    #   return it viewed with acc_layout_as_operand_a (cute.make_tensor(its iterator, that layout)).
+    # [exercise 1] Return P as a NEW register tensor of dtype (fp16/bf16) holding acc_S's fp32
+    #   values, laid out as the A operand of the P V WGMMA. No value moves between threads and
+    #   nothing goes through shared memory; acc_S is left as it is.
+    #   (stage 1 page: From S to P without shared memory)
     rP = cute.make_rmem_tensor_like(acc_S, dtype)
     rP.store(acc_S.load().to(dtype))
     return cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
@@ -287,9 +298,10 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     The copy completes on the buffer's "full" barrier, which ``producer_acquire``
     armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
     """
-    # [exercise 2] pipe.producer_acquire(state); cute.copy(tma_atom, source, destination,
-    #   tma_bar_ptr=pipe.producer_get_barrier(state)) from tile n_block (mode 1 of tXgX) into buffer
-    #   state.index (mode 1 of tXsX); pipe.producer_commit(state).
+    # [exercise 2] Producer step: KV tile n_block (the runtime index, never a trace-time constant)
+    #   lands in the ring buffer that state points at. The copy may start only once that buffer is
+    #   empty, and must complete on that buffer's full barrier, which the consumers wait on. The
+    #   caller advances state. (stage 2 page: Producer and consumer steps)
     pipe.producer_acquire(state)
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
@@ -304,9 +316,10 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     Waits for the K buffer to be full and releases it as soon as the WGMMAs
     that read it have completed, so the producer can refill it early.
     """
-    # [exercise 2] pipeline_k.consumer_wait(k_state); S = Q K^T with warpgroup_gemm on buffer
-    #   k_state.index (mode 3 of tSrK); warpgroup.wait_group(0);
-    #   pipeline_k.consumer_release(k_state).
+    # [exercise 2] Consumer step: on return acc_S = Q K^T for the K tile in the ring buffer that
+    #   k_state points at. Read the buffer only once it is full, and hand it back to the producer
+    #   as soon as (and not before) the WGMMAs that read it have completed. The caller advances
+    #   k_state. (stage 2 page: Producer and consumer steps)
     pipeline_k.consumer_wait(k_state)
     warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
     warpgroup.wait_group(0)
@@ -327,10 +340,12 @@ def attend_kv_tiles(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
                     n_block_min: cutlass.Int32, mask: WindowMask, row_max: cute.Tensor, row_sum: cute.Tensor,
                     scale_log2: cutlass.Float32, dtype: cutlass.Constexpr):
     """One pass over the visible KV tiles: online softmax, O += P V, row sums."""
-    # [exercise 3] For every KV tile (a runtime loop: cutlass.range(..., unroll=1)): tile_scores and
-    #   k_state.advance(); online_softmax; P as the A operand (scores_to_operand_a);
-    #   pipeline_v.consumer_wait(v_state); O += P V with warpgroup_gemm(..., zero_init=False);
-    #   warpgroup.wait_group(0); pipeline_v.consumer_release(v_state); v_state.advance().
+    # [exercise 3] One pass over the KV tiles (n_tiles loop steps: the sink tiles, then the
+    #   window's range), in the producer's order: afterwards acc_O is the sum of P V relative to
+    #   the final row_max (unnormalized) and row_max/row_sum are the online softmax's. Each K and
+    #   V buffer is used only once full and released once the WGMMAs that read it have completed;
+    #   O may be rescaled, and P's registers reused, only while no P V WGMMA that reads them is in
+    #   flight. (stage 3 page: The loop)
     kv_block = mask.kv_block  # (a runtime loop may not carry the mask object; its bound method is fine)
     for i in cutlass.range(n_tiles, unroll=1):
         n_block = kv_block(i, n_sink_blocks, n_block_min)
@@ -363,11 +378,13 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         if row_sum[r] == 0.0:
             inv_sum = cutlass.Float32(0.0)
         if cutlass.const_expr(has_sink):
-            # TODO(stage 5): With top = cute.arch.fmax(row_max[r] * scale_log2, sink_log2), 0 if it is
-            #   -inf: rescale = cute.math.exp2(row_max[r] * scale_log2 - top, fastmath=True);
-            #   inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)), the reciprocal
-            #   with cute.arch.rcp_approx, 0 when that denominator is 0.
-            raise NotImplementedError('TODO(stage 5) in normalize_rows(): With top = cute.arch.fmax(row_max[r] * scale_log2, sink_log2), 0 if it is -inf: rescale = cute.math.exp2(row_max[r] * scale_log2 - top, fastmath=True); inv_sum = rescale / (row_sum[r] * rescale + exp2(sink_log2 - top)), the reciprocal with cute.arch.rcp_approx, 0 when that denominator is 0. Hints: docs/stages/05-sinks.md')
+            # TODO(stage 5): Set inv_sum so that O * inv_sum is the softmax with the sink as one
+            #   more term of the denominator (sink_log2: the sink logit in log2 units). The row
+            #   sum and O are relative to row_max * scale_log2, the sink term to the sink: bring
+            #   both to one reference first, so that no exp2 overflows for a sink of -60 or +60. A
+            #   row with no visible key gets O = 0, and a -inf sink on such a row must not make
+            #   NaN. (page: Sink logits: one more term in the denominator)
+            raise NotImplementedError('TODO(stage 5) in normalize_rows(): Set inv_sum so that O * inv_sum is the softmax with the sink as one more term of the denominator (sink_log2: the sink logit in log2 units). The row sum and O are relative to row_max * scale_log2, the sink term to the sink: bring both to one reference first, so that no exp2 overflows for a sink of -60 or +60. A row with no visible key gets O = 0, and a -inf sink on such a row must not make NaN. (page: Sink logits: one more term in the denominator) Hints: docs/stages/05-sinks.md')
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] *= inv_sum
 # --8<-- [end:normalize]

@@ -67,7 +67,7 @@ KV_STAGES = 2  # buffers in each of the K and V rings
 MMA_WARPGROUPS = {64: 2, 128: 2}
 # setmaxnreg per warpgroup count: 128 * producer + 128 * warpgroups * mma <= 64K registers.
 REGISTERS = {2: (24, 240)}  # (producer, MMA)
-SCHEDULER_THREADS = 256  # a ping-pong barrier: the warpgroup that waits and the one that hands over
+SCHEDULER_THREADS = 256  # a ping-pong barrier: the MMA warpgroup that waits and the one that passes
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 L2_BYTES = 50 * 1024 * 1024  # H100: the K and V of a group of heads stay in L2 while its Q tiles run
@@ -87,12 +87,15 @@ class Step(IntEnum):
 class NamedBarrier(IntEnum):
     """Ids of the named barriers (bar.sync / bar.arrive); 0 is the CTA-wide barrier.
 
-    The K, V and Q pipelines synchronize on mbarriers, not on these.
+    The K, V and Q pipelines synchronize on mbarriers, not on these. The MMA
+    warpgroups are numbered from 0 (``mma_wg``; the producer warpgroup is not
+    one of them), the names below from 1: a ``*_WG1`` id belongs to MMA
+    warpgroup 0, and MMA warpgroup ``mma_wg`` uses that id + ``mma_wg``.
     """
 
     EPILOGUE = 1       # all MMA threads around the shared O tile (before Step.EPILOGUE)
-    EPILOGUE_WG1 = 2   # MMA warpgroup 1 around its own O buffer (Step.EPILOGUE); + 1, + 2 for the others
-    SCHEDULER_WG1 = 5  # ping-pong: MMA warpgroup 1 may issue its GEMMs; + 1, + 2 for the others
+    EPILOGUE_WG1 = 2   # MMA warpgroup 0 around its own O buffer (Step.EPILOGUE); + mma_wg for the others
+    SCHEDULER_WG1 = 5  # ping-pong: MMA warpgroup 0 may issue its GEMMs; + mma_wg for the others
 # --8<-- [end:steps]
 
 
@@ -154,8 +157,11 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     zero-initializes acc. The caller waits with ``warpgroup.wait_group(0)``
     before reading acc.
     """
-    # [exercise 1] Issue the WGMMAs: fence, then one cute.gemm per k-block (mode 2 of tCrA/tCrB) on
-    #   mma_atom, ACCUMULATE off for the first k-block only, then commit the group.
+    # [exercise 1] acc = A B (acc += A B when zero_init is False) over every k-block of tCrA/tCrB,
+    #   issued as ONE committed group of asynchronous WGMMAs. With zero_init, whatever acc held is
+    #   discarded (no zero-fill needed); register writes made before the call must be ordered
+    #   before the MMAs read them; nothing waits here (the caller does). tiled_mma is shared by
+    #   every call: leave its fields alone. (stage 1 page: Warpgroups and WGMMA)
     mma_atom = cute.make_mma_atom(tiled_mma.op)  # a private atom: its ACCUMULATE field is ours to set
     warpgroup.fence()
     for k_block in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
@@ -186,9 +192,13 @@ class WindowMask:
     @cute.jit
     def kv_block_range(self):
         """[n_block_min, n_block_max): the KV tiles with a visible key for some row of this tile."""
-        # [exercise 4] n_block_max: tiles up to the last row's last visible key (right side, capped
-        #   by S_k, >= 0); n_block_min: the tile of the first row's first visible key (left side, >=
-        #   0, <= n_block_max).
+        # [exercise 4] n_block_max and n_block_min bound the half-open range of KV tiles that
+        #   holds every key visible to some row of this Q tile (its rows stop at S_q in the tail
+        #   tile), from the first row's first visible key to the last row's last. Too long is
+        #   correct but slow; too short drops keys. Both lie in [0, number of KV tiles],
+        #   n_block_min <= n_block_max (an empty range is fine), and an unbounded side compiles to
+        #   no code. Int32 division truncates toward zero.
+        #   (stage 4 page: Skipping tiles: the block range)
         n_block_max = (self.seqlen_k + TILE_N - 1) // TILE_N
         n_block_min = cutlass.Int32(0)
         if cutlass.const_expr(self.has_right):
@@ -206,8 +216,10 @@ class WindowMask:
         """How many tiles of sink tokens lie below the window's range (visited first)."""
         count = cutlass.Int32(0)
         if cutlass.const_expr(self.has_sink_tokens):
-            # [exercise 5] The tiles that hold keys < num_sink_tokens, but only those below
-            #   n_block_min (the window's range already has the others).
+            # [exercise 5] Set count to the number of KV tiles that hold a sink token (key <
+            #   num_sink_tokens) and lie below n_block_min: the tiles the loop visits before the
+            #   window's range. A tile already in the range must not be visited twice.
+            #   (stage 5 page: Sink tokens: visible despite the window)
             count = cutlass.min((self.num_sink_tokens + TILE_N - 1) // TILE_N, n_block_min)
             # [/exercise]
         return count
@@ -264,7 +276,10 @@ class WindowMask:
         """Is ``key`` left of its row's window? Sink tokens never are."""
         outside = key < key_start
         if cutlass.const_expr(self.has_sink_tokens):
-            # [exercise 5] Sink tokens (key < num_sink_tokens) are exempt from the left bound.
+            # [exercise 5] outside ends True only for a key that is left of its row's window AND
+            #   is not a sink token (key < num_sink_tokens): sink tokens ignore the left bound,
+            #   never the right one. Both conditions are runtime Booleans, which Python's
+            #   and/or/not cannot combine. (stage 5 page: Sink tokens: visible despite the window)
             outside = outside & (key >= self.num_sink_tokens)
             # [/exercise]
         return outside
@@ -275,10 +290,11 @@ class WindowMask:
         s = rows_cols_view(acc_S)
         coord = rows_cols_view(tScS)
         key0 = n_block * TILE_N
-        # [exercise 4] For each row r (row = row0 + coord[r, 0][0]): key_end = S_k, or with a right
-        #   bound min(S_k, row + offset + right + 1); with a left bound key_start = row + offset -
-        #   left; then every s[r, c] whose key (key0 + coord[r, c][1]) is outside [key_start,
-        #   key_end) becomes -inf.
+        # [exercise 4] Every s[r, c] whose key its row may not see (outside the row's window, or
+        #   at or past S_k: the rule of The semantics) becomes -inf; visible scores stay as they
+        #   are. coord gives each register's (row, col) inside this Q tile and KV tile, not in the
+        #   sequence. An unbounded side compiles to no code. The left bound goes through
+        #   outside_left_bound, which exempts sink tokens. (stage 4 page: Masking in registers)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             row = self.row0 + coord[r, 0][0]
             key_end = self.seqlen_k
@@ -306,10 +322,13 @@ def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
     """
     s = rows_cols_view(acc_S)
     o = rows_cols_view(acc_O)
-    # [exercise 3] For each row r: the tile's row max (thread, then quad); new_max = max(row_max[r],
-    #   it); correction = exp2((row_max[r] - new_max) * scale_log2); P = exp2(s * scale_log2 -
-    #   new_max * scale_log2) in place; row_sum[r] = row_sum[r] * correction + sum of P; O[r, :] *=
-    #   correction; row_max[r] = new_max.
+    # [exercise 3] For each row r: after this tile, row_max[r] is the max over every key seen so
+    #   far (the same in the 4 threads of the quad), S holds P relative to it, and row_sum[r] and
+    #   row r of O are relative to it too: what they held before was relative to the old max.
+    #   row_max stays in raw score units (scale_log2 is applied once, inside the exponent);
+    #   row_sum holds this thread's columns only. A row that has seen no visible key yet (max
+    #   -inf) gets P = 0 and keeps O and its sum at 0, never NaN.
+    #   (stage 3 page: From two passes to one; stage 4 page: Rows with no visible key)
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         tile_max = s[r, 0]
         for c in cutlass.range_constexpr(1, cute.size(s, mode=[1])):
@@ -348,9 +367,10 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     The copy completes on the buffer's "full" barrier, which ``producer_acquire``
     armed with the tile's byte count; ``producer_commit`` is a no-op for TMA.
     """
-    # [exercise 2] producer_acquire(state); cute.copy tile n_block (mode 1 of tXgX) into buffer
-    #   state.index (mode 1 of tXsX) with tma_bar_ptr=pipe.producer_get_barrier(state);
-    #   producer_commit(state).
+    # [exercise 2] Producer step: KV tile n_block (the runtime index, never a trace-time constant)
+    #   lands in the ring buffer that state points at. The copy may start only once that buffer is
+    #   empty, and must complete on that buffer's full barrier, which the consumers wait on. The
+    #   caller advances state. (stage 2 page: Producer and consumer steps)
     pipe.producer_acquire(state)
     cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
     pipe.producer_commit(state)
@@ -380,32 +400,35 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
 # --8<-- [start:pingpong]
 @cute.jit
 def pingpong_start(mma_wg: cutlass.Int32):
-    """Let warpgroup 1 issue first: its scheduler barrier gets the other half of its arrivals in advance.
+    """Let MMA warpgroup 0 issue first: its scheduler barrier gets the other half of its arrivals in advance.
 
     A scheduler barrier completes when SCHEDULER_THREADS = 256 threads have
     arrived: the 128 of the warpgroup that waits (bar.sync) and 128 that
     arrive for it (bar.arrive): the warpgroup before it in the turn order,
     once its GEMMs are issued, or this call, once, at the start.
     """
-    # TODO(stage 8): MMA warpgroup 0 arrives (barrier_arrive) on its own scheduler barrier,
-    #   SCHEDULER_WG1, with SCHEDULER_THREADS threads.
-    raise NotImplementedError('TODO(stage 8) in pingpong_start(): MMA warpgroup 0 arrives (barrier_arrive) on its own scheduler barrier, SCHEDULER_WG1, with SCHEDULER_THREADS threads. Hints: docs/stages/08-fa3-prefill.md')
+    # TODO(stage 8): MMA warpgroup 0 takes the first turn: before any warpgroup waits for its turn,
+    #   MMA warpgroup 0's scheduler barrier already holds the arrivals that the warpgroup before it
+    #   in the turn order would otherwise bring; no other barrier gets any. See 'Step 1: ping-pong'.
+    raise NotImplementedError("TODO(stage 8) in pingpong_start(): MMA warpgroup 0 takes the first turn: before any warpgroup waits for its turn, MMA warpgroup 0's scheduler barrier already holds the arrivals that the warpgroup before it in the turn order would otherwise bring; no other barrier gets any. See 'Step 1: ping-pong'. Hints: docs/stages/08-fa3-prefill.md")
 
 
 @cute.jit
 def pingpong_wait(mma_wg: cutlass.Int32):
     """Block until it is this warpgroup's turn to issue GEMMs."""
-    # TODO(stage 8): bar.sync on this warpgroup's scheduler barrier (SCHEDULER_WG1 + mma_wg),
-    #   SCHEDULER_THREADS threads.
-    raise NotImplementedError("TODO(stage 8) in pingpong_wait(): bar.sync on this warpgroup's scheduler barrier (SCHEDULER_WG1 + mma_wg), SCHEDULER_THREADS threads. Hints: docs/stages/08-fa3-prefill.md")
+    # TODO(stage 8): Returns only when it is this MMA warpgroup's turn: the warpgroup before it in the
+    #   turn order has passed the turn (or pingpong_start gave it). Each MMA warpgroup waits on
+    #   a scheduler barrier of its own. See 'Step 1: ping-pong'.
+    raise NotImplementedError("TODO(stage 8) in pingpong_wait(): Returns only when it is this MMA warpgroup's turn: the warpgroup before it in the turn order has passed the turn (or pingpong_start gave it). Each MMA warpgroup waits on a scheduler barrier of its own. See 'Step 1: ping-pong'. Hints: docs/stages/08-fa3-prefill.md")
 
 
 @cute.jit
 def pingpong_pass(mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr):
     """This warpgroup's GEMMs are issued: hand the turn to the next warpgroup, without waiting."""
-    # TODO(stage 8): bar.arrive on the NEXT warpgroup's scheduler barrier (SCHEDULER_WG1 + (mma_wg +
-    #   1) % num_wgs), SCHEDULER_THREADS threads.
-    raise NotImplementedError("TODO(stage 8) in pingpong_pass(): bar.arrive on the NEXT warpgroup's scheduler barrier (SCHEDULER_WG1 + (mma_wg + 1) % num_wgs), SCHEDULER_THREADS threads. Hints: docs/stages/08-fa3-prefill.md")
+    # TODO(stage 8): The turn goes to the next MMA warpgroup in the turn order (after the last comes
+    #   MMA warpgroup 0), and this warpgroup does not wait for anything: its softmax starts at once.
+    #   See 'Step 1: ping-pong'.
+    raise NotImplementedError("TODO(stage 8) in pingpong_pass(): The turn goes to the next MMA warpgroup in the turn order (after the last comes MMA warpgroup 0), and this warpgroup does not wait for anything: its softmax starts at once. See 'Step 1: ping-pong'. Hints: docs/stages/08-fa3-prefill.md")
 # --8<-- [end:pingpong]
 
 
@@ -461,12 +484,14 @@ def overlapped_step(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
     under the P V. ``masked`` steps apply the mask to every score (a select each, no branch). The caller
     advances both pipeline states afterwards (a helper may not change the state objects)."""
     acc_S = cute.make_rmem_tensor_like(acc_S, cutlass.Float32)  # a fresh S each step: nothing flows into the next Q K^T
-    # TODO(stage 8): Wait for K, wait for this warpgroup's turn (pingpong_wait), issue S = Q K^T on
-    #   the K buffer, wait for V, issue O += P V (zero_init=False) on the V buffer, pass the turn
-    #   (pingpong_pass); wait_group(1) (S ready), release K; with masked, apply_mask; softmax_step
-    #   (first=False) into row_scale; wait_group(0) (P V done), release V; only then P = S
-    #   (rP.store) and O *= row_scale (rescale_rows).
-    raise NotImplementedError("TODO(stage 8) in overlapped_step(): Wait for K, wait for this warpgroup's turn (pingpong_wait), issue S = Q K^T on the K buffer, wait for V, issue O += P V (zero_init=False) on the V buffer, pass the turn (pingpong_pass); wait_group(1) (S ready), release K; with masked, apply_mask; softmax_step (first=False) into row_scale; wait_group(0) (P V done), release V; only then P = S (rP.store) and O *= row_scale (rescale_rows). Hints: docs/stages/08-fa3-prefill.md")
+    # TODO(stage 8): Step j of the overlapped loop: afterwards O = (O + P_{j-1} V_{j-1}) * row_scale,
+    #   P holds P_j, and row_max and row_sum include tile j (masked steps mask S_j first). Both
+    #   GEMMs (S_j and P_{j-1} V_{j-1}) are in flight, issued in this warpgroup's ping-pong turn,
+    #   before the softmax of tile j starts. A K or V buffer goes back to the producer only once
+    #   the GEMM reading it is complete; P and O are registers a WGMMA in flight still uses, so
+    #   they change only after the group that uses them is complete. See 'Step 2: intra-warpgroup
+    #   overlap'.
+    raise NotImplementedError("TODO(stage 8) in overlapped_step(): Step j of the overlapped loop: afterwards O = (O + P_{j-1} V_{j-1}) * row_scale, P holds P_j, and row_max and row_sum include tile j (masked steps mask S_j first). Both GEMMs (S_j and P_{j-1} V_{j-1}) are in flight, issued in this warpgroup's ping-pong turn, before the softmax of tile j starts. A K or V buffer goes back to the producer only once the GEMM reading it is complete; P and O are registers a WGMMA in flight still uses, so they change only after the group that uses them is complete. See 'Step 2: intra-warpgroup overlap'. Hints: docs/stages/08-fa3-prefill.md")
 # --8<-- [end:overlapped_step]
 
 
@@ -626,8 +651,10 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         inv_sum = rescale * cute.arch.rcp_approx(denominator)
         if denominator == 0.0:
             inv_sum = cutlass.Float32(0.0)
-        # [exercise 6] lse[r] = (top + log2(denominator)) * LN_2 (log2(0) = -inf gives -inf for an
-        #   empty row).
+        # [exercise 6] lse[r] is the row's log-sum-exp in NATURAL-log units, from top and
+        #   denominator above (what they mean: the docstring). A row with no visible key gets -inf
+        #   and a row with only a sink the sink logit, without a special case.
+        #   (page: The LSE is already in the kernel)
         lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2
         # [/exercise]
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
@@ -639,8 +666,10 @@ def store_lse(lse: cute.Tensor, mLSE: cute.Tensor, tScS: cute.Tensor, row0: cutl
               head: cutlass.Int32, batch: cutlass.Int32, mma_tidx: cutlass.Int32):
     """Write every row's LSE to mLSE[batch, head, row]: each quad holds its rows 4 times, so its first thread writes."""
     coord = rows_cols_view(tScS)
-    # [exercise 6] If mma_tidx is the first thread of its quad: for each row r, row = row0 +
-    #   coord[r, 0][0]; if row < seqlen_q, mLSE[batch, head, row] = lse[r].
+    # [exercise 6] mLSE[batch, head, row] gets lse[r] for every row this thread holds that lies
+    #   below seqlen_q (the tail tile), written by exactly one thread per row: the 4 threads of a
+    #   quad all hold the same rows. coord gives each register's row inside the Q tile.
+    #   (page: The LSE is already in the kernel)
     if mma_tidx % 4 == 0:
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = row0 + coord[r, 0][0]
@@ -695,9 +724,10 @@ class TileScheduler:
         whose K and V fit in L2 together (at least 1)."""
         group = cutlass.Int32(1)
         if cutlass.const_expr(self.linear):
-            # TODO(stage 8): Double group while 2 * group pairs exist and their 2 * group * kv_blocks
-            #   K and V tiles fit in l2_kv_blocks.
-            raise NotImplementedError('TODO(stage 8) in l2_group(): Double group while 2 * group pairs exist and their 2 * group * kv_blocks K and V tiles fit in l2_kv_blocks. Hints: docs/stages/08-fa3-prefill.md')
+            # TODO(stage 8): The largest power of two of (batch, head) pairs, never more pairs than
+            #   there are, whose K and V tiles all fit in L2 together (self.l2_kv_blocks says how
+            #   many fit; self.kv_blocks is one pair's). At least 1. See 'Step 5: tile scheduling'.
+            raise NotImplementedError("TODO(stage 8) in l2_group(): The largest power of two of (batch, head) pairs, never more pairs than there are, whose K and V tiles all fit in L2 together (self.l2_kv_blocks says how many fit; self.kv_blocks is one pair's). At least 1. See 'Step 5: tile scheduling'. Hints: docs/stages/08-fa3-prefill.md")
         return group
 
     @cute.jit
@@ -717,12 +747,12 @@ class TileScheduler:
         """(m_block, head, batch) of linear tile index ``tile`` (the block index without Step.PERSISTENT)."""
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.linear):
-            # TODO(stage 8): The tile's group of pairs: section = tile // (group * num_m_blocks), with
-            #   heads_here = min(group, num_pairs - section * group) pairs (the last one may be
-            #   short); rank = its place in the section; Q tile = rank // heads_here (reversed with
-            #   longest_first), pair = section * group + rank % heads_here; then batch and head of
-            #   the pair.
-            raise NotImplementedError("TODO(stage 8) in coords(): The tile's group of pairs: section = tile // (group * num_m_blocks), with heads_here = min(group, num_pairs - section * group) pairs (the last one may be short); rank = its place in the section; Q tile = rank // heads_here (reversed with longest_first), pair = section * group + rank % heads_here; then batch and head of the pair. Hints: docs/stages/08-fa3-prefill.md")
+            # TODO(stage 8): Each (Q tile, pair) exactly once over tile = 0 .. num_tiles() - 1. The
+            #   pairs come in sections of `group` consecutive pairs (the last may hold fewer); a
+            #   section's tiles are consecutive indices, and inside it all its pairs, in order, at
+            #   one Q tile come before any at the next; longest_first walks the Q tiles last to
+            #   first. Pairs are numbered batch by batch, heads in order. See 'Step 5: tile scheduling'.
+            raise NotImplementedError("TODO(stage 8) in coords(): Each (Q tile, pair) exactly once over tile = 0 .. num_tiles() - 1. The pairs come in sections of `group` consecutive pairs (the last may hold fewer); a section's tiles are consecutive indices, and inside it all its pairs, in order, at one Q tile come before any at the next; longest_first walks the Q tiles last to first. Pairs are numbered batch by batch, heads in order. See 'Step 5: tile scheduling'. Hints: docs/stages/08-fa3-prefill.md")
         return m_block, head, batch
 # --8<-- [end:scheduler]
 
@@ -798,7 +828,7 @@ class Attention:
         self.num_wgs = MMA_WARPGROUPS[config.head_dim]  # MMA warpgroups: 64 query rows each
         self.tile_m = 64 * self.num_wgs
         self.mma_threads = 128 * self.num_wgs
-        self.num_threads = 128 + self.mma_threads  # warpgroup 0: the TMA producer; then the MMA warpgroups
+        self.num_threads = 128 + self.mma_threads  # producer warpgroup, then MMA warpgroups 0, 1, ...
 
     # Every prefill stage has this signature, so one host function (course.runtime.prefill) compiles and
     # launches them all; a stage ignores the arguments of features it does not have yet.

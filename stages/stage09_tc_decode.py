@@ -93,7 +93,8 @@ from .stage07_decode import (  # noqa: F401
 
 STAGE = 9
 HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask
+PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask;
+# one paged kernel takes them all (the page size is a runtime extent of the cache)
 CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 ROWS = 16  # query heads of one row tile: the M of mma.sync.m16n8k16
 ROW_TILES = (1, 2, 4)  # row tiles per CTA (row_tiles()): the compiled variants
@@ -106,7 +107,7 @@ COPIES_UNROLLED = 8  # issue_loads' copies unrolled at once (a lane has 16 at D 
 SHARED_BYTES_PER_SM = 228 * 1024  # H100 (sm_90)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-# The automatic split count, measured on the H100 (docs/stages/09-tc-decode.md, "How many splits"):
+# The automatic split count, measured on the H100 (stage 9's engineering notes, "How many splits"):
 # for few sequences one (sequence, KV head) stream per SM, as 132 streaming CTAs already outrun HBM
 # (stage 7 aims at 2 CTAs), and no split under 4 loop iterations, whose fixed
 # cost (the first copies' latency, the merge, the arrival) a shorter split does not repay.
@@ -116,7 +117,7 @@ MIN_KEYS_PER_SPLIT = 256
 SHORT_SPLIT_KEYS, SHORT_SPLITS = 128, 8
 # Row tiles (one CTA for up to 64 heads) give each warp 1, 2 or 4 times the math per key: they pay
 # when the launch fills every CTA slot with splits of at least this many keys (measured on the H100,
-# "Row tiles" on the page); with fewer, ceil(G / 16) CTAs of one tile, 4x the warps, finish sooner.
+# "Row tiles" in the notes); with fewer, ceil(G / 16) CTAs of one tile, 4x the warps, finish sooner.
 MIN_KEYS_PER_TILED_SPLIT = 2048
 SPLIT_CTAS_PER_SM = 1
 # Splits whose partials the last CTA of their group folds first: the final combine then reads
@@ -313,14 +314,13 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
     D = 128), and a numerator stays below 2^RESCALE_THRESHOLD, which fp16 and
     bf16 hold with their full precision.
     """
-    # TODO(stage 9): Per row r in (0, 1): m_r = the max of row_max[r] and the row's 4 scores in this
-    #   thread (values with score_row(v) == r), then over the quad (cute.arch.warp_reduction_max(m,
-    #   threads_in_group=4)). While any thread of the warp has a row with m_r > row_max[r] +
-    #   RESCALE_THRESHOLD (a while loop on cute.arch.vote_any_sync, not an if: it runs once at
-    #   most): per row, correction = exp2(row_max[r] - m_r) (subtract 0 instead of m_r while it is
-    #   -inf), rescale row_sum[r] and the row's O values, row_max[r] = m_r. Then per row: scores ->
-    #   exp2(score - row_max[r]) (0 instead of row_max[r] while -inf), added to row_sum[r].
-    raise NotImplementedError("TODO(stage 9) in online_softmax_update(): Per row r in (0, 1): m_r = the max of row_max[r] and the row's 4 scores in this thread (values with score_row(v) == r), then over the quad (cute.arch.warp_reduction_max(m, threads_in_group=4)). While any thread of the warp has a row with m_r > row_max[r] + RESCALE_THRESHOLD (a while loop on cute.arch.vote_any_sync, not an if: it runs once at most): per row, correction = exp2(row_max[r] - m_r) (subtract 0 instead of m_r while it is -inf), rescale row_sum[r] and the row's O values, row_max[r] = m_r. Then per row: scores -> exp2(score - row_max[r]) (0 instead of row_max[r] while -inf), added to row_sum[r]. Hints: docs/stages/09-tc-decode.md")
+    # TODO(stage 9): Fold the 16 new keys into the thread's two rows (score_row: a value's row).
+    #   Afterwards: the 4 threads of a row (the quad) hold the same row_max; no score seen so far
+    #   exceeds it by more than RESCALE_THRESHOLD; row_sum and the row's O values are relative to
+    #   it; scores hold the numerators, already added to row_sum. Whether O is rescaled is one
+    #   decision of the whole warp, and a row that has seen only -inf gives 0s, never NaN. Page:
+    #   "The online softmax on a fragment" and "A lazy max".
+    raise NotImplementedError('TODO(stage 9) in online_softmax_update(): Fold the 16 new keys into the thread\'s two rows (score_row: a value\'s row). Afterwards: the 4 threads of a row (the quad) hold the same row_max; no score seen so far exceeds it by more than RESCALE_THRESHOLD; row_sum and the row\'s O values are relative to it; scores hold the numerators, already added to row_sum. Whether O is rescaled is one decision of the whole warp, and a row that has seen only -inf gives 0s, never NaN. Page: "The online softmax on a fragment" and "A lazy max". Hints: docs/stages/09-tc-decode.md')
 # --8<-- [end:softmax]
 
 
@@ -338,7 +338,7 @@ class TensorCoreDecode:
         # The MMA's operand type: the query's, or fp16 for an fp8 cache (e4m3 -> f16 is exact).
         self.mma_dtype = Float16 if self.fp8 else self.q_dtype
         self.head_dim = config.head_dim
-        self.page_size = config.page_size  # 0: contiguous cache
+        self.paged = config.paged
         self.has_sink = config.has_sink
         self.write_lse = config.write_lse
         self.k_elems = k_piece(config.cache_dtype)
@@ -412,8 +412,8 @@ class TensorCoreDecode:
 
     # --8<-- [start:key_row]
     @cute.jit
-    def lookup_page(self, mBlockTable: cute.Tensor, batch: Int32, first: Int32, v_end: Int32, n_sink: Int32,
-                    lo: Int32, lane: Int32) -> Int32:
+    def lookup_page(self, mBlockTable: cute.Tensor, page_shift: Int32, batch: Int32, first: Int32, v_end: Int32,
+                    n_sink: Int32, lo: Int32, lane: Int32) -> Int32:
         """Paged cache: the pool page of row lane % 16 of the warp's 16 keys from visible key ``first``
         (one block-table load per lane; ``issue_loads`` shuffles each row's page to the lanes that copy it).
 
@@ -422,9 +422,9 @@ class TensorCoreDecode:
         Contiguous: nothing (0).
         """
         page = Int32(0)
-        if cutlass.const_expr(self.page_size != 0):
+        if cutlass.const_expr(self.paged):
             row = cache_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo)
-            page = mBlockTable[batch, row >> (self.page_size.bit_length() - 1)]  # row // page_size
+            page = mBlockTable[batch, row >> page_shift]  # row // page_size
         return page
 
     @cute.jit
@@ -432,19 +432,18 @@ class TensorCoreDecode:
         """K (or V) of ``head_kv`` from token ``row`` on, [rows, D]: of sequence ``page_or_batch`` in a
         contiguous cache, of pool page ``page_or_batch`` in a paged one (rows past the page's end are
         not this sequence's)."""
-        if cutlass.const_expr(self.page_size == 0):
+        if cutlass.const_expr(not self.paged):
             return cute.domain_offset((row, 0), mKV[page_or_batch, None, head_kv, None])
         page = pool_page(page_or_batch, mKV.shape[0])
-        return cute.domain_offset((row & (self.page_size - 1), 0), mKV[page, None, head_kv, None])  # row % page_size
+        return cute.domain_offset((row & (mKV.shape[1] - 1), 0), mKV[page, None, head_kv, None])  # row % page_size
 
     @cute.jit
-    def rows_in_a_line(self, first: Int32, v_end: Int32, row_first: Int32, row_last: Int32):
+    def rows_in_a_line(self, first: Int32, v_end: Int32, row_first: Int32, row_last: Int32, page_size: Int32):
         """Whether the warp's 16 keys from visible key ``first`` are 16 consecutive cache rows (of one
         page): none past the split's end, none across the edge between the sink keys and the window."""
         line = (first + KEYS_PER_WARP <= v_end) & (row_last - row_first == KEYS_PER_WARP - 1)
-        if cutlass.const_expr(self.page_size != 0):
-            shift = self.page_size.bit_length() - 1
-            line = line & ((row_first >> shift) == (row_last >> shift))
+        if cutlass.const_expr(self.paged):
+            line = line & ((row_first ^ row_last) < page_size)  # the same page: only bits below page_size differ
         return line
     # --8<-- [end:key_row]
 
@@ -469,10 +468,10 @@ class TensorCoreDecode:
         row_last = cache_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo)
         # A runtime loop of at most 8 unrolled copies: D = 256's 16 unrolled row addresses took
         # ptxas past its 255 registers (a 24-byte spill in the main loop).
-        if self.rows_in_a_line(first, v_end, row_first, row_last):
+        if self.rows_in_a_line(first, v_end, row_first, row_last, mK.shape[1]):
             # Nearly every slice: one row block per tensor (one page), whose copies step a lane's
             # address by rows_per_copy rows; a lane's own page is the slice's page.
-            page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else page
+            page_or_batch = batch if cutlass.const_expr(not self.paged) else page
             lane_k = self.lane_copies(self.kv_rows(mK, page_or_batch, row_first, head_kv), lane)
             lane_v = self.lane_copies(self.kv_rows(mV, page_or_batch, row_first, head_kv), lane)
             for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
@@ -485,7 +484,7 @@ class TensorCoreDecode:
                 tile_row = i * self.rows_per_copy + lane // self.chunks
                 row = cache_row(first + tile_row, v_end, n_sink, lo)
                 # Paged: row r's page is in lane r (lookup_page).
-                page_or_batch = batch if cutlass.const_expr(self.page_size == 0) else cute.arch.shuffle_sync(page, tile_row)
+                page_or_batch = batch if cutlass.const_expr(not self.paged) else cute.arch.shuffle_sync(page, tile_row)
                 self.copy_pieces(atom, self.row_piece(self.kv_rows(mK, page_or_batch, row, head_kv), 0, chunk),
                                  self.row_piece(self.kv_rows(mV, page_or_batch, row, head_kv), 0, chunk),
                                  sK, sV, tile_row, chunk)
@@ -557,9 +556,11 @@ class TensorCoreDecode:
                 chunk = 4 * (first_piece + p) + kq
                 piece = self.piece_to_registers(sK[row, swizzle(row, self.chunks) ^ chunk, None])
                 for e in cutlass.range_constexpr(elems):
-                    # TODO(stage 9): Value e % 4 of key block j, column block p * elems // 4 + e // 4
-                    #   (r_k is compact: strides 1, 4, 8).
-                    raise NotImplementedError('TODO(stage 9) in k_fragment(): Value e % 4 of key block j, column block p * elems // 4 + e // 4 (r_k is compact: strides 1, 4, 8). Hints: docs/stages/09-tc-decode.md')
+                    # TODO(stage 9): Store piece[e] in the slot of r_k that the MMA reads as
+                    #   the column the docstring assigns it, for key block j: r_k is compact
+                    #   (slot i is value i in the MMA's order, whatever a view says). Page:
+                    #   "Read what your fragment holds", "Compact fragments".
+                    raise NotImplementedError('TODO(stage 9) in k_fragment(): Store piece[e] in the slot of r_k that the MMA reads as the column the docstring assigns it, for key block j: r_k is compact (slot i is value i in the MMA\'s order, whatever a view says). Page: "Read what your fragment holds", "Compact fragments". Hints: docs/stages/09-tc-decode.md')
 
     @cute.jit
     def v_fragment(self, sV: cute.Tensor, r_v: cute.Tensor, g: Int32, kq: Int32, first_piece: int):
@@ -581,9 +582,11 @@ class TensorCoreDecode:
                 chunk = sV[row, swizzle(row, self.chunks) ^ (start // self.k_elems), None]
                 piece = self.piece_to_registers(cute.local_tile(chunk, (elems,), ((start % self.k_elems) // elems,)))
                 for e in cutlass.range_constexpr(elems):
-                    # TODO(stage 9): Value slot of column block p * elems + e (r_v is compact: strides
-                    #   1, 4).
-                    raise NotImplementedError('TODO(stage 9) in v_fragment(): Value slot of column block p * elems + e (r_v is compact: strides 1, 4). Hints: docs/stages/09-tc-decode.md')
+                    # TODO(stage 9): Store piece[e] in the slot of r_v that the MMA reads as key
+                    #   v_slot_key(slot, kq) (P's key in this thread) at the column block the
+                    #   docstring assigns it; r_v is compact, as r_k. Page: "V's B fragment:
+                    #   two keys per register", "Compact fragments".
+                    raise NotImplementedError('TODO(stage 9) in v_fragment(): Store piece[e] in the slot of r_v that the MMA reads as key v_slot_key(slot, kq) (P\'s key in this thread) at the column block the docstring assigns it; r_v is compact, as r_k. Page: "V\'s B fragment: two keys per register", "Compact fragments". Hints: docs/stages/09-tc-decode.md')
     # --8<-- [end:to_registers]
 
     # --8<-- [start:combine_partials]
@@ -733,10 +736,11 @@ class TensorCoreDecode:
                 piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
                 piece.store(raw.load().to(self.mma_dtype))
                 for e in cutlass.range_constexpr(self.k_elems):
-                    # TODO(stage 9): Column e % 4 of column block p * E / 4 + e // 4 (as in
-                    #   k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact:
-                    #   block stride 8).
-                    raise NotImplementedError('TODO(stage 9) in kernel(): Column e % 4 of column block p * E / 4 + e // 4 (as in k_fragment), row r: value (e % 2) + 2r + 4 ((e // 2) % 2) (r_q is compact: block stride 8). Hints: docs/stages/09-tc-decode.md')
+                    # TODO(stage 9): Store piece[e] in the slot of r_q (A operand, compact, in
+                    #   the MMA's value order) for row r (head g + 8r) and the very column that
+                    #   k_fragment gives the same element of K: any mismatch makes every score
+                    #   wrong, and nothing crashes. Page: "The m16n8k16 fragments".
+                    raise NotImplementedError('TODO(stage 9) in kernel(): Store piece[e] in the slot of r_q (A operand, compact, in the MMA\'s value order) for row r (head g + 8r) and the very column that k_fragment gives the same element of K: any mismatch makes every score wrong, and nothing crashes. Page: "The m16n8k16 fragments". Hints: docs/stages/09-tc-decode.md')
         # [row tile, lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
         s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
                                cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))
@@ -762,10 +766,10 @@ class TensorCoreDecode:
 
         # --8<-- [start:split]
         # The split's slice [v_begin, v_end) of the sequence's visible keys.
-        if cutlass.const_expr(self.page_size == 0):
+        if cutlass.const_expr(not self.paged):
             capacity = mK.shape[1]
         else:
-            capacity = mBlockTable.shape[1] * self.page_size
+            capacity = mBlockTable.shape[1] * mK.shape[1]
         seqlen = cutlass.max(cutlass.min(mSeqlens[batch], capacity), Int32(0))  # never outside the cache
         lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
         step = self.keys_per_iteration
@@ -793,6 +797,9 @@ class TensorCoreDecode:
         # the last one that of the next copies the loop issues.
         r_pages = cute.make_rmem_tensor((STAGES,), Int32)
         issue_loads, lookup_page = self.issue_loads, self.lookup_page
+        page_shift = Int32(0)
+        if cutlass.const_expr(self.paged):
+            page_shift = cute.arch.log2_of_pow2_int(Int32(mK.shape[1]))  # row // page_size = row >> page_shift
         # The warp copies one of the slices its key group reads, so that a key group's warps wait only
         # for each other (ring_barrier).
         copy_slice = key_group * self.row_tiles + tile
@@ -800,7 +807,7 @@ class TensorCoreDecode:
         sK_warp, sV_warp = sK[None, copy_slice, None, None, None], sV[None, copy_slice, None, None, None]
         for st in cutlass.range_constexpr(STAGES):
             if st < num_iters:
-                r_pages[st] = lookup_page(mBlockTable, batch, warp_first + st * step, v_end, n_sink, lo, lane)
+                r_pages[st] = lookup_page(mBlockTable, page_shift, batch, warp_first + st * step, v_end, n_sink, lo, lane)
         for st in cutlass.range_constexpr(STAGES - 1):
             if st < num_iters:
                 issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st],
@@ -817,7 +824,7 @@ class TensorCoreDecode:
                             mK, mV, r_pages[STAGES - 1], batch, head_kv, warp_first + ahead * step, v_end,
                             n_sink, lo, lane)
             if ahead + 1 < num_iters:  # the next iteration's pages: the load has a whole iteration to land
-                r_pages[STAGES - 1] = lookup_page(mBlockTable, batch, warp_first + (ahead + 1) * step, v_end,
+                r_pages[STAGES - 1] = lookup_page(mBlockTable, page_shift, batch, warp_first + (ahead + 1) * step, v_end,
                                                   n_sink, lo, lane)
             cute.arch.cp_async_commit_group()
             stage = it % STAGES
@@ -922,7 +929,7 @@ class DecodeConfig:
 
     dtype: str = "float16"     # q and O
     head_dim: int = 128
-    page_size: int = 0         # 0: a contiguous cache; else the (compile-time) page size of a paged one
+    paged: bool = False        # a paged cache (any page size of PAGE_SIZES: a runtime extent), else contiguous
     cache_dtype: str = ""      # "" = dtype (a 16-bit cache); "float8_e4m3fn": an FP8 cache with scales
     has_sink: bool = False     # sink logits
     write_lse: bool = False    # also write the LSE
@@ -939,7 +946,7 @@ class DecodeConfig:
 
     @property
     def name(self) -> str:
-        layout = f"paged{self.page_size}" if self.page_size else "contiguous"
+        layout = "paged" if self.paged else "contiguous"
         cache = "_fp8" if self.cache_dtype == "float8_e4m3fn" else ""
         rows = f"_rows{ROWS * self.row_tiles}" if self.row_tiles > 1 else ""
         warps = f"_warps{self.warps}" if self.warps != 4 else ""
@@ -960,7 +967,7 @@ def fake_decode_tensors(config: DecodeConfig):
 
     q_dtype, cache_dtype, d = _torch_dtype(config.dtype), _torch_dtype(config.cache_dtype), config.head_dim
     q = symbolic_tensor(q_dtype, ("B", "H_q", d), symbols=symbols)
-    rows = ("B_kv", "S_max") if config.page_size == 0 else ("pages", config.page_size)
+    rows = ("pages", "page_size") if config.paged else ("B_kv", "S_max")
     per_16_bytes = 16 // cache_dtype.itemsize  # 16-byte copies: rows start on 16-byte boundaries
     k = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
     v = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
@@ -983,16 +990,16 @@ def kernel_and_args(config: DecodeConfig):
 
 
 def compile_matrix() -> list[DecodeConfig]:
-    """Every query dtype x cache dtype x head dim x cache layout (contiguous and each page size) x row
-    tiles x warps (8 at D <= 128: pick_warps); the compiled-out features (sinks, LSE) rotate so that
-    each value meets every head dim."""
+    """Every query dtype x cache dtype x head dim x cache layout (contiguous, paged: one kernel for every
+    page size) x row tiles x warps (8 at D <= 128: pick_warps); the compiled-out features (sinks, LSE)
+    rotate so that each value meets every head dim."""
     flags = [(False, False), (True, False), (False, True), (True, True)]
-    layouts = [(dtype, cache, d, page, tiles, warps) for dtype in ("float16", "bfloat16")
-               for cache in (dtype, "float8_e4m3fn") for d in HEAD_DIMS for page in (0, *PAGE_SIZES)
+    layouts = [(dtype, cache, d, paged, tiles, warps) for dtype in ("float16", "bfloat16")
+               for cache in (dtype, "float8_e4m3fn") for d in HEAD_DIMS for paged in (False, True)
                for tiles in ROW_TILES if tiles <= row_tiles(64, d)
                for warps in WARPS if warps == 4 or d <= 128]
-    return [DecodeConfig(dtype, d, page, cache, *flags[i % len(flags)], tiles, warps)
-            for i, (dtype, cache, d, page, tiles, warps) in enumerate(layouts)]
+    return [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps)
+            for i, (dtype, cache, d, paged, tiles, warps) in enumerate(layouts)]
 
 
 KERNEL_CONFIGS = compile_matrix()
@@ -1170,7 +1177,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
                        plan, num_splits)
     kv_ctas = shape.heads_kv * head_chunks(group_size, plan.row_tiles)
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim,
-                          shape.page_size if block_table is not None else 0, cache_dtype, sink_logits is not None,
+                          block_table is not None, cache_dtype, sink_logits is not None,
                           bool(return_lse), plan.row_tiles, plan.warps)
     kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E

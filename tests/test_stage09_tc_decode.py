@@ -184,9 +184,9 @@ CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS
 
 
 def test_compile_matrix_covers_every_option(solution):
-    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.page_size, c.row_tiles, c.warps) for c in CONFIGS}
+    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.paged, c.row_tiles, c.warps) for c in CONFIGS}
     assert layouts == {(t, cache, d, p, tiles, warps) for t in ("float16", "bfloat16")
-                       for cache in (t, "float8_e4m3fn") for d in solution.HEAD_DIMS for p in (0, *solution.PAGE_SIZES)
+                       for cache in (t, "float8_e4m3fn") for d in solution.HEAD_DIMS for p in (False, True)
                        for tiles in solution.ROW_TILES if tiles <= solution.row_tiles(64, d)
                        for warps in solution.WARPS if warps == 4 or d <= 128}
     for d in solution.HEAD_DIMS:
