@@ -26,13 +26,14 @@ help:  ## this list
 status: $(READY)  ## the table of stages: TODOs left, sm_90a cross-compile, CPU numerics; on a Hopper GPU numerics and speed
 	$(BIN)/python -m course status
 
-test: $(READY)  ## lint (ruff), then the whole test suite (GPU tests run on Hopper, skipped with the reason elsewhere)
+test: $(READY)  ## lint (ruff), then the whole test suite on every core (GPU tests run on Hopper, skipped with the reason elsewhere)
 	$(BIN)/ruff check course solutions tests docs/hooks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist worksteal
 
 quick: $(READY)  ## lint, then the tests without cross-compiles, docs or notebooks (the edit loop; make test runs all)
 	$(BIN)/ruff check course solutions tests docs/hooks
-	$(BIN)/python -m pytest -m "not compiles" --ignore=tests/test_docs.py --ignore=tests/test_site.py
+	$(BIN)/python -m pytest -n auto --dist worksteal -m "not compiles" --ignore=tests/test_docs.py \
+	  --ignore=tests/test_site.py
 
 docs: $(READY)  ## serve the docs site at http://127.0.0.1:8000, rebuilt on every change
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
