@@ -478,8 +478,10 @@ def test_cpu_numerics_are_todos_with_tests(stage):
     """stage.cpu_numerics (what `course check` says the CPU covers) names TODO functions, and the stage has CPU tests."""
     todos = skeleton.exercise_functions(stage)
     assert set(stage.cpu_numerics) <= set(todos), f"{sorted(set(stage.cpu_numerics) - set(todos))} hold no TODO"
+    assert set(stage.cpu_sync) <= set(todos), f"{sorted(set(stage.cpu_sync) - set(todos))} hold no TODO"
     tests = (stages.ROOT / "tests" / f"test_{stage.module_name}.py").read_text()
     assert not stage.cpu_numerics or "def test_on_cpu_" in tests, f"stage {stage.number} has no test_on_cpu_* test"
+    assert not stage.cpu_sync or "cpu_sync.check_" in tests, f"stage {stage.number} runs no CPU synchronization check"
 
 
 # ---------------------------------------------------------------- what `course check` says about a failure

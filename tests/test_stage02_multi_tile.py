@@ -1,6 +1,7 @@
 """Stage 2 checks: the shared prefill checks at any S_k, and the two-pass tile model."""
 
 import cpu_numerics
+import cpu_sync
 import pytest
 import torch
 
@@ -33,3 +34,9 @@ def test_on_cpu_update_row_max_and_exponentiate_rows(stage, case):
     """Your two passes on the CPU over 3 tiles of keys, each thread with whole rows, against the reference."""
     seqlen_k, logit_scale = cpu_numerics.MULTI_TILE_ROW_CASES[case]
     cpu_numerics.check_attend_rows(stage, n_tiles=3, seqlen_k=seqlen_k, logit_scale=logit_scale)
+
+
+def test_on_cpu_synchronization(stage):
+    """Your tile_scores and passes, recorded on the CPU and replayed in a model of the hardware's rules: each K
+    and V buffer read only after its wait and released once, after the WGMMAs reading it (tests/cpu_sync.py)."""
+    cpu_sync.check_stage2(stage)

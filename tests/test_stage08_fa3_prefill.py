@@ -7,6 +7,7 @@ bits over 200 launches (a race between the warpgroups would show as differences)
 """
 
 import cpu_numerics
+import cpu_sync
 import pytest
 import torch
 
@@ -53,6 +54,14 @@ MiB = 1024 * 1024
 def test_on_cpu_tile_order(stage, problem, longest_first):
     """Your l2_group and coords: every (Q tile, head, batch) exactly once, in the grouped order."""
     cpu_numerics.check_schedule(stage, longest_first=longest_first, **problem)
+
+
+@pytest.mark.parametrize("overlapped", [True, False], ids=["overlapped-loop", "pingpong-loop"])
+def test_on_cpu_synchronization(stage, overlapped):
+    """Your ping-pong and overlapped step, both MMA warpgroups recorded on the CPU and replayed in a model of the
+    hardware's rules: no hang, one turn at a time, no register race with an in-flight WGMMA, buffers released after
+    the GEMMs that read them, the softmax under the P V (tests/cpu_sync.py)."""
+    cpu_sync.check_stage8(stage, overlapped=overlapped)
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)

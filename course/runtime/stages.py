@@ -31,6 +31,9 @@ class Stage:
     # The functions with this stage's TODOs whose results tests/cpu_numerics.py computes on the CPU and
     # compares with course.testing.reference; the others (TMA, pipelines, WGMMA) only a Hopper GPU can check.
     cpu_numerics: tuple[str, ...] = ()
+    # The functions with this stage's TODOs whose barriers, wait groups and buffer releases tests/cpu_sync.py
+    # records on the CPU and replays in a model of the hardware's rules (deadlocks, register races, early releases).
+    cpu_sync: tuple[str, ...] = ()
 
     @property
     def module_name(self) -> str:
@@ -94,7 +97,8 @@ STAGES = [
           bench_shapes=(PrefillShape(16, 16, 4096, 128, 128), PrefillShape(16, 16, 4096, 128, 64))),
     Stage(2, "multi_tile", "Multi-tile TMA loading",
           "a pipelined loop over KV tiles (smem ring + mbarriers), two-pass softmax", ready=True,
-          bench_shapes=FULL_ATTENTION, cpu_numerics=("update_row_max", "exponentiate_rows")),
+          bench_shapes=FULL_ATTENTION, cpu_numerics=("update_row_max", "exponentiate_rows"),
+          cpu_sync=("tile_scores", "first_pass_row_max", "second_pass_accumulate")),
     Stage(3, "online_softmax", "Online softmax correction",
           "one pass: running max and sum, rescaling O", ready=True, bench_shapes=FULL_ATTENTION,
           cpu_numerics=("online_softmax",)),
@@ -114,7 +118,8 @@ STAGES = [
     Stage(8, "fa3_prefill", "FA3-class prefill",
           "ping-pong warpgroups, softmax under the GEMMs, persistent tiles, TMA-store epilogue", ready=True,
           bench_shapes=tuple(dict.fromkeys(FA3_REFERENCE + FA3_SWEEP)), starts_from=6,
-          cpu_numerics=("l2_group", "coords")),
+          cpu_numerics=("l2_group", "coords"),
+          cpu_sync=("pingpong_start", "pingpong_wait", "pingpong_pass", "overlapped_step")),
     Stage(9, "tc_decode", "Tensor-core decode, FP8 KV cache",
           "GQA packing on mma.sync, whole-row copies into swizzled warp tiles, an e4m3 cache with scales",
           ready=True, kind="decode", bench_shapes=DECODE_GROUPINGS, starts_from=7),

@@ -283,15 +283,18 @@ def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
 
 
 def _coverage_line(stage: stages.Stage) -> str:
-    """Which of the stage's TODOs the CPU numerics run, and which only a Hopper GPU checks."""
+    """Which of the stage's TODOs the CPU checks run, and which only a Hopper GPU checks."""
     from course.tools import skeleton
 
     todos = skeleton.exercise_functions(stage)
     on_cpu = [f"{name}()" for name in todos if name in stage.cpu_numerics]
-    gpu_only = [f"{name}()" for name in todos if name not in stage.cpu_numerics]
+    sync = [f"{name}()" for name in todos if name in stage.cpu_sync]
+    gpu_only = [f"{name}()" for name in todos if name not in stage.cpu_numerics + stage.cpu_sync]
     parts = []
     if on_cpu:
         parts.append(f"CPU numerics (your code run on the CPU against course.testing.reference) cover {', '.join(on_cpu)}")
+    if sync:
+        parts.append(f"the CPU synchronization model (barriers, wait groups, buffer releases) covers {', '.join(sync)}")
     if gpu_only:
         parts.append(f"only a Hopper GPU checks the numerics of {', '.join(gpu_only)}")
     return "; ".join(parts) + "."

@@ -1,0 +1,532 @@
+"""CPU synchronization checks: a stage's scheduling code, run on the CPU, replayed in a model of Hopper's rules.
+
+A barrier, wait-group or pipeline mistake gives no wrong number on the CPU: the kernel
+hangs, races or just loses its overlap on the GPU. These checks catch such mistakes
+without one, in two steps.
+
+1. Record. The stage's own Python (the learner's ping-pong functions and overlapped step,
+   the solution's loops around them) runs as plain Python, once per MMA warpgroup, with
+   recording stand-ins for what it calls: named barriers (``cute.arch.barrier``,
+   ``barrier_arrive``), WGMMA issue (``warpgroup_gemm``: one committed group) and
+   ``warpgroup.wait_group``, the pipelines' ``consumer_wait`` / ``consumer_release``, and
+   the register work between them (softmax, masking, ``rP.store``, ``rescale_rows``). Each
+   event keeps the line of the stage file that caused it.
+2. Replay. The recorded programs of the warpgroups run together in a small model of the
+   hardware rules:
+
+   - a named barrier completes a phase when ``number_of_threads`` threads have arrived
+     (128 per warpgroup, ``bar.sync`` or ``bar.arrive``); every participant of a phase
+     must name the same count; a phase that completes with nobody waiting in it (two
+     arrivals for one wait) hands a turn to no one;
+   - ``wait_group(n)`` returns once at most ``n`` of the warpgroup's committed WGMMA
+     groups are in flight; registers that an in-flight group reads (its A operand) or
+     accumulates into are not touched until a wait covers it;
+   - a K or V buffer is read by a GEMM only after ``consumer_wait`` and released once,
+     after the GEMMs reading it completed;
+   - the ping-pong: between its wait for the turn and passing it, a warpgroup holds the
+     turn; no two hold it at once, and the overlapped step issues its GEMMs in its turn;
+   - the overlapped step's softmax runs while its ``P V`` GEMM is still in flight (else
+     nothing overlaps it);
+   - every warpgroup finishes: if all that are left wait on barriers nobody will reach,
+     the kernel hangs.
+
+The first broken rule fails the check with the offending line and what to look for.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+
+WARPGROUP_THREADS = 128
+
+
+class SyncError(AssertionError):
+    """A broken synchronization rule, said in the course's words, with the stage file's line."""
+
+
+class MissingStandIn(SyncError):
+    """The scheduling code calls something the CPU model has no stand-in for."""
+
+
+# ---------------------------------------------------------------- recording
+
+@dataclass
+class Event:
+    kind: str
+    line: int
+    args: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """The events of one warpgroup's run, each with the line of ``path`` that caused it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.events: list[Event] = []
+        self.context: list[str] = []  # the stage functions being run (overlapped_step, ...)
+
+    def line(self) -> int:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_filename == self.path:
+                return frame.f_lineno
+            frame = frame.f_back
+        return 0
+
+    def add(self, kind: str, **args):
+        self.events.append(Event(kind, self.line(), {**args, "in": tuple(self.context)}))
+
+
+class Registers:
+    """A register fragment (S, P, O): what GEMMs read and accumulate into and what the softmax touches."""
+
+    count = 0
+
+    def __init__(self, rec: Recorder, name: str):
+        Registers.count += 1
+        self.rec, self.name, self.id = rec, name, Registers.count
+        self.element_type = "fp16"
+
+    def load(self):
+        self.rec.add("read", regs=self)
+        return _Loaded()
+
+    def store(self, _value):
+        self.rec.add("write", regs=self)
+
+    def fill(self, _value):
+        self.rec.add("write", regs=self)
+
+
+class _Loaded:
+    def to(self, _dtype):
+        return self
+
+
+class SharedOperand:
+    """A GEMM's B operand in shared memory: tSrK / tOrV, one ring buffer per index of the last mode."""
+
+    def __init__(self, pipe: str):
+        self.pipe = pipe
+
+    def __getitem__(self, key):
+        return Buffer(self.pipe, key[-1])
+
+
+@dataclass(frozen=True)
+class Buffer:
+    pipe: str
+    index: int
+
+
+class State:
+    """A pipeline state: the ring index and how many tiles it has passed."""
+
+    def __init__(self, stages: int):
+        self.stages, self.count = stages, 0
+
+    @property
+    def index(self) -> int:
+        return self.count % self.stages
+
+    def advance(self):
+        self.count += 1
+
+
+class Pipeline:
+    def __init__(self, rec: Recorder, name: str):
+        self.rec, self.name = rec, name
+
+    def consumer_wait(self, state: State):
+        self.rec.add("wait", buffer=Buffer(self.name, state.index), use=state.count)
+
+    def consumer_release(self, state: State):
+        self.rec.add("release", buffer=Buffer(self.name, state.index), use=state.count)
+
+
+class Mask:
+    """The window of a Q tile whose loops run masked, unmasked and masked steps (each loop at least once)."""
+
+    def __init__(self, rec: Recorder, masked_end: int, unmasked_end: int):
+        self.rec, self.ends = rec, (masked_end, unmasked_end)
+
+    def kv_block(self, i, _lo, _hi):
+        return i
+
+    def unmasked_steps(self, _lo, _hi):
+        return self.ends
+
+    def tile_is_partial(self, _n_block):
+        return True
+
+    def apply(self, acc_S, _coords, _n_block):
+        self.rec.add("write", regs=acc_S)
+
+
+class Strict:
+    """A namespace whose unknown attributes name themselves instead of silently doing nothing."""
+
+    def __init__(self, rec: Recorder, label: str, **members):
+        self._rec, self._label = rec, label
+        self.__dict__.update(members)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MissingStandIn(f"{_where(self._rec.path, self._rec.line())}: the CPU synchronization check has no "
+                             f"stand-in for {self._label}.{name}: "
+                             "the scheduling code may use named barriers, warpgroup_gemm, warpgroup.wait_group "
+                             "and the pipelines' consumer_wait / consumer_release")
+
+
+def _range(*args, unroll=None, **_):
+    return range(*(int(a) for a in args))
+
+
+def stand_ins(rec: Recorder) -> dict:
+    """Names the scheduling code uses, as recording stand-ins."""
+
+    def barrier(*, barrier_id, number_of_threads):
+        rec.add("bar.sync", id=int(barrier_id), count=int(number_of_threads))
+
+    def barrier_arrive(*, barrier_id, number_of_threads):
+        rec.add("bar.arrive", id=int(barrier_id), count=int(number_of_threads))
+
+    def warpgroup_gemm(_mma, acc, a, b, zero_init=True):
+        reads = [x for x in (a, b) if isinstance(x, (Registers, Buffer))]
+        rec.add("gemm", acc=acc, reads=reads, accumulate=not zero_init)
+
+    def wait_group(n):
+        rec.add("wait_group", n=int(n))
+
+    def softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2, first, tight):
+        rec.add("softmax", regs=acc_S)
+
+    def rescale_rows(acc_O, _row_scale):
+        rec.add("write", regs=acc_O)
+
+    def online_softmax(acc_S, acc_O, *_):
+        rec.add("softmax", regs=acc_S)
+        rec.add("write", regs=acc_O)
+
+    def make_rmem_tensor_like(like, _dtype=None):
+        return Registers(rec, like.name)
+
+    def no_op(*_, **__):
+        return None
+
+    arch = Strict(rec, "cute.arch", barrier=barrier, barrier_arrive=barrier_arrive,
+                  warp_reduction_max=no_op, warp_reduction_sum=no_op)
+    cute = Strict(rec, "cute", arch=arch, make_rmem_tensor_like=make_rmem_tensor_like)
+    cutlass = Strict(rec, "cutlass", const_expr=lambda x: x, range=_range, range_constexpr=_range, max=max, min=min,
+                     Int32=int, Float32=float, Constexpr=object)
+    return dict(cute=cute, cutlass=cutlass, warpgroup=Strict(rec, "warpgroup", wait_group=wait_group),
+                warpgroup_gemm=warpgroup_gemm, softmax_step=softmax_step, rescale_rows=rescale_rows,
+                online_softmax=online_softmax)
+
+
+def as_python(module, names: tuple[str, ...], overrides: dict) -> dict:
+    """The module's functions ``names`` as plain Python (their ``@cute.jit`` undone), calling each other
+    and ``overrides`` instead of the DSL."""
+    scope = dict(vars(module))
+    scope.update(overrides)
+    for name in names:
+        fn = inspect.unwrap(getattr(module, name))
+        scope[name] = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    return scope
+
+
+def traced(rec: Recorder, scope: dict, name: str):
+    """``scope[name]`` that also marks its events as made inside ``name``."""
+    fn = scope[name]
+
+    def wrapper(*args, **kwargs):
+        rec.context.append(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec.context.pop()
+
+    scope[name] = wrapper
+
+
+# ---------------------------------------------------------------- stage 8: one MMA warpgroup's program
+
+PINGPONG = ("pingpong_start", "pingpong_wait", "pingpong_pass")
+STAGE8 = (*PINGPONG, "overlapped_step", "attend_kv_tiles_overlapped", "attend_kv_tiles_pingpong", "tile_scores",
+          "mask_scores")
+
+
+def record_stage8(module, mma_wg: int, *, overlapped: bool, num_wgs: int = 2, q_tiles: int = 2,
+                  n_tiles: int = 5, ends: tuple[int, int] = (2, 4)) -> list[Event]:
+    """What MMA warpgroup ``mma_wg`` of a stage 8 CTA does for ``q_tiles`` Q tiles of ``n_tiles`` KV tiles:
+    the kernel's MMA-warpgroup code with the stage's own functions."""
+    rec = Recorder(inspect.getsourcefile(module))
+    scope = as_python(module, STAGE8, stand_ins(rec))
+    for name in ("overlapped_step", *PINGPONG):
+        traced(rec, scope, name)
+    acc_S, acc_O, rP = Registers(rec, "S"), Registers(rec, "O"), Registers(rec, "P")
+    tSrQ, tSrK, tOrV = Buffer("Q", 0), SharedOperand("K"), SharedOperand("V")
+    pipeline_q, pipeline_k, pipeline_v = Pipeline(rec, "Q"), Pipeline(rec, "K"), Pipeline(rec, "V")
+    q_state, k_state, v_state = State(1), State(module.KV_STAGES), State(module.KV_STAGES)
+    mask = Mask(rec, *ends)
+    scope["pingpong_start"](mma_wg)
+    for _ in range(q_tiles):
+        rec.add("write", regs=acc_O)  # acc_O.fill(0.0)
+        pipeline_q.consumer_wait(q_state)
+        if overlapped:
+            k_state, v_state = scope["attend_kv_tiles_overlapped"](
+                None, None, acc_S, acc_O, rP, rP, tSrQ, tSrK, tOrV, pipeline_q, q_state, pipeline_k,
+                k_state, pipeline_v, v_state, None, n_tiles, 0, n_tiles, mask, None, None, None, 1.0, mma_wg,
+                num_wgs, True)
+        else:
+            k_state, v_state = scope["attend_kv_tiles_pingpong"](
+                None, None, acc_S, acc_O, rP, rP, tSrQ, tSrK, tOrV, pipeline_q, q_state, pipeline_k,
+                k_state, pipeline_v, v_state, None, n_tiles, 0, n_tiles, mask, None, None, 1.0, mma_wg, num_wgs)
+        q_state.advance()
+        rec.add("read", regs=acc_O)  # normalize_rows and the epilogue read O
+    return rec.events
+
+
+# ---------------------------------------------------------------- stage 2: the consumer warpgroup's two passes
+
+STAGE2 = ("tile_scores", "first_pass_row_max", "second_pass_accumulate")
+
+
+def record_stage2(module, *, n_blocks: int = 3, seqlen_k: int = 300) -> list[Event]:
+    """What stage 2's MMA warpgroup does with its K and V buffers: pass 1 over K, pass 2 over K and V."""
+    rec = Recorder(inspect.getsourcefile(module))
+    acc_S, acc_O = Registers(rec, "S"), Registers(rec, "O")
+
+    def scores_to_operand_a(scores, _dtype):
+        rec.add("read", regs=scores)
+        return Registers(rec, "P")
+
+    overrides = dict(
+        stand_ins(rec), update_row_max=lambda scores, _max: rec.add("read", regs=scores),
+        exponentiate_rows=lambda scores, *_: rec.add("softmax", regs=scores),
+        mask_keys_beyond=lambda scores, *_: rec.add("write", regs=scores),
+        quad_allreduce=lambda *_: None, scores_to_operand_a=scores_to_operand_a)
+    scope = as_python(module, STAGE2, overrides)
+    tSrQ, tSrK, tOrV = Buffer("Q", 0), SharedOperand("K"), SharedOperand("V")
+    pipeline_k, pipeline_v = Pipeline(rec, "K"), Pipeline(rec, "V")
+    k_state, v_state = State(module.KV_STAGES), State(module.KV_STAGES)
+    rec.add("wait", buffer=tSrQ, use=0)  # the Q barrier
+    rec.add("write", regs=acc_O)
+    k_state = scope["first_pass_row_max"](None, acc_S, tSrQ, tSrK, pipeline_k, k_state, None, n_blocks, seqlen_k, None)
+    scope["second_pass_accumulate"](None, None, acc_S, acc_O, tSrQ, tSrK, tOrV, pipeline_k, k_state, pipeline_v,
+                                    v_state, None, n_blocks, seqlen_k, None, None, 1.0, None)
+    rec.add("read", regs=acc_O)  # normalize_rows and the epilogue
+    rec.add("release", buffer=tSrQ, use=0)
+    return rec.events
+
+
+def check_stage2(module):
+    """Stage 2's consumer warpgroup, recorded and replayed."""
+    replay({"the MMA warpgroup": record_stage2(module)}, inspect.getsourcefile(module), scheduler_barriers=set(),
+           priority=["the MMA warpgroup"])
+
+
+# ---------------------------------------------------------------- replay in the model
+
+@dataclass
+class Group:
+    """One committed WGMMA group in flight: what it reads and accumulates into, and where it was issued."""
+    acc: Registers
+    reads: list
+    line: int
+
+
+@dataclass
+class WarpgroupState:
+    name: str
+    events: list[Event]
+    at: int = 0
+    groups: list[Group] = field(default_factory=list)
+    waited: dict = field(default_factory=dict)  # Buffer -> line of its consumer_wait, until released
+    holds_turn: bool = False
+    blocked_on: tuple | None = None  # (barrier id, phase) of a bar.sync not yet complete
+
+    @property
+    def done(self) -> bool:
+        return self.at >= len(self.events)
+
+
+@dataclass
+class BarrierPhase:
+    count: int | None = None
+    arrived: int = 0
+    waiters: list = field(default_factory=list)
+    lines: list = field(default_factory=list)
+
+
+def _where(path: str, line: int) -> str:
+    return f"{path}:{line}" if line else path
+
+
+def replay(programs: dict[str, list[Event]], path: str, *, scheduler_barriers: set[int], priority: list[str],
+           barrier_names: dict[int, str] | None = None):
+    """Run the recorded programs together; raise SyncError at the first broken rule."""
+    wgs = {name: WarpgroupState(name, events) for name, events in programs.items()}
+    names = barrier_names or {}
+
+    def barrier(bid: int) -> str:
+        return f"{names[bid]} (named barrier {bid})" if bid in names else f"named barrier {bid}"
+    barriers: dict[int, BarrierPhase] = {}
+    generation: dict[int, int] = {}
+
+    def fail(wg: WarpgroupState, event: Event, message: str):
+        raise SyncError(f"{wg.name}, {_where(path, event.line)}: {message}")
+
+    first_use: dict[int, tuple] = {}  # barrier id -> (count, line, warpgroup) of its first use
+    for wg in wgs.values():
+        for event in wg.events:
+            if event.kind in ("bar.sync", "bar.arrive"):
+                count, line, _ = first_use.setdefault(event.args["id"], (event.args["count"], event.line, wg))
+                if event.args["count"] != count:
+                    fail(wg, event, f"named barrier {event.args['id']} is used with {event.args['count']} threads "
+                                    f"here and {count} at line {line}: every bar.sync and bar.arrive of one barrier "
+                                    "must count the same threads (those that wait and those that arrive, together)")
+
+    def in_flight_touching(wg: WarpgroupState, regs: Registers, *, reads_too: bool):
+        for g in wg.groups:
+            if g.acc is regs or (reads_too and any(r is regs for r in g.reads)):
+                return g
+        return None
+
+    def arrive(wg, event, bid):
+        phase = barriers.setdefault(bid, BarrierPhase())
+        phase.count = event.args["count"]
+        phase.arrived += WARPGROUP_THREADS
+        phase.lines.append(event.line)
+        if phase.arrived > phase.count:
+            fail(wg, event, f"named barrier {bid} gets more arrivals than its {phase.count} threads in one phase")
+        if phase.arrived == phase.count:
+            if not phase.waiters and bid in scheduler_barriers:
+                fail(wg, event, f"{barrier(bid)} completed with nobody waiting on it: two arrivals were "
+                                "made for one wait, so a turn was handed to no one (and the next wait on it will "
+                                "count a phase of its own). Check which barriers pingpong_start arrives on: only "
+                                "MMA warpgroup 0's turn is given in advance")
+            for waiter in phase.waiters:
+                waiter.blocked_on = None
+                waiter.holds_turn = waiter.holds_turn or bid in scheduler_barriers
+                check_turn(waiter, event)
+            barriers[bid] = BarrierPhase()
+            generation[bid] = generation.get(bid, 0) + 1
+
+    def check_turn(wg, event):
+        holders = [w.name for w in wgs.values() if w.holds_turn]
+        if len(holders) > 1:
+            fail(wg, event, f"{' and '.join(holders)} hold the tensor-core turn at the same time: the ping-pong "
+                            "lets one warpgroup issue while the other runs its softmax. A turn must be passed "
+                            "(bar.arrive on the next warpgroup's barrier) before the next one can take it")
+
+    def step(wg: WarpgroupState) -> bool:
+        """Run wg's next event; False if it blocks."""
+        if wg.blocked_on is not None:
+            return False
+        event = wg.events[wg.at]
+        kind, a = event.kind, event.args
+        if kind == "bar.sync":
+            bid = a["id"]
+            barriers.setdefault(bid, BarrierPhase()).waiters.append(wg)
+            wg.blocked_on = (bid, generation.get(bid, 0))
+            arrive(wg, event, bid)
+            wg.at += 1
+            return True
+        if kind == "bar.arrive":
+            if a["id"] in scheduler_barriers:
+                wg.holds_turn = False
+            arrive(wg, event, a["id"])
+        elif kind == "gemm":
+            if "overlapped_step" in a["in"] and scheduler_barriers and not wg.holds_turn:
+                fail(wg, event, "this GEMM is issued outside the warpgroup's turn: in the overlapped step both "
+                                "GEMMs are issued after pingpong_wait returns and before pingpong_pass")
+            for operand in a["reads"]:
+                if isinstance(operand, Buffer) and operand not in wg.waited:
+                    fail(wg, event, f"the GEMM reads {operand.pipe} buffer {operand.index} without waiting for it "
+                                    f"(consumer_wait): the TMA copy may not have landed")
+                if isinstance(operand, Registers):
+                    g = in_flight_touching(wg, operand, reads_too=False)
+                    if g is not None:
+                        fail(wg, event, f"the GEMM reads {operand.name} while the GEMM issued at line {g.line} "
+                                        f"still writes it: wait for that group first")
+            g = in_flight_touching(wg, a["acc"], reads_too=True)
+            if g is not None and g.acc is not a["acc"]:
+                fail(wg, event, f"the GEMM accumulates into {a['acc'].name} while the GEMM issued at line "
+                                f"{g.line} still reads it")
+            wg.groups.append(Group(a["acc"], a["reads"], event.line))
+        elif kind == "wait_group":
+            while len(wg.groups) > a["n"]:
+                wg.groups.pop(0)
+        elif kind in ("read", "write", "softmax"):
+            regs = a["regs"]
+            g = in_flight_touching(wg, regs, reads_too=kind != "read")
+            if g is not None:
+                what = {"read": "reads", "write": "writes", "softmax": "runs the softmax on"}[kind]
+                role = "accumulates into" if g.acc is regs else "reads"
+                fail(wg, event, f"this line {what} {regs.name} while the WGMMA issued at line {g.line} still "
+                                f"{role} it (registers an in-flight WGMMA uses are off limits until a wait_group "
+                                "covers it): a race on the GPU, wrong results only sometimes")
+            if kind == "softmax" and "overlapped_step" in a["in"] and not wg.groups:
+                fail(wg, event, "the softmax runs with no WGMMA in flight: nothing overlaps it. In the overlapped "
+                                "step the P V GEMM keeps running during the softmax; wait only for the group "
+                                "that computes S")
+        elif kind == "wait":
+            wg.waited[a["buffer"]] = event.line
+        elif kind == "release":
+            buf = a["buffer"]
+            if buf not in wg.waited:
+                fail(wg, event, f"{buf.pipe} buffer {buf.index} is released without a consumer_wait before it "
+                                "(or twice): the producer would overwrite a buffer someone still reads")
+            for g in wg.groups:
+                if any(r == buf for r in g.reads if isinstance(r, Buffer)):
+                    fail(wg, event, f"{buf.pipe} buffer {buf.index} is released while the WGMMA issued at line "
+                                    f"{g.line} may still read it: the TMA may overwrite it mid-GEMM. Release "
+                                    "after the wait_group that covers that GEMM")
+            del wg.waited[buf]
+        wg.at += 1
+        return True
+
+    while True:
+        progressed = False
+        for name in priority:
+            wg = wgs[name]
+            while not wg.done and step(wg):
+                progressed = True
+        if all(w.done and w.blocked_on is None for w in wgs.values()):
+            break
+        if not progressed:
+            stuck = [w for w in wgs.values() if w.blocked_on is not None or not w.done]
+            lines = []
+            for w in stuck:
+                e = w.events[min(w.at, len(w.events)) - 1]
+                bid = w.blocked_on[0] if w.blocked_on else "?"
+                lines.append(f"{w.name} waits on {barrier(bid)} at {_where(path, e.line)}")
+            raise SyncError("deadlock (on a GPU, a hang): " + "; ".join(lines) + ". Nobody left will arrive on "
+                            "those barriers: check that each warpgroup passes the turn to the NEXT one, and that "
+                            "the first turn is given once")
+    for w in wgs.values():
+        if w.waited:
+            buf, line = next(iter(w.waited.items()))
+            raise SyncError(f"{w.name}, {_where(path, line)}: {buf.pipe} buffer {buf.index} is waited for and never "
+                            "released: the producer will wait for it forever")
+        if w.groups:
+            raise SyncError(f"{w.name}, {_where(path, w.groups[0].line)}: a WGMMA group is still in flight when the "
+                            "warpgroup finishes")
+
+
+def check_stage8(module, *, overlapped: bool = True, num_wgs: int = 2):
+    """Stage 8's MMA warpgroups, recorded and replayed, in both orders of who runs first."""
+    path = inspect.getsourcefile(module)
+    programs = {f"MMA warpgroup {wg}": record_stage8(module, wg, overlapped=overlapped, num_wgs=num_wgs)
+                for wg in range(num_wgs)}
+    scheduler = {int(module.NamedBarrier.SCHEDULER_WG1) + wg for wg in range(num_wgs)}
+    names = list(programs)
+    barrier_names = {int(module.NamedBarrier.SCHEDULER_WG1) + wg: f"MMA warpgroup {wg}'s scheduler barrier"
+                     for wg in range(num_wgs)}
+    for priority in (names, names[::-1]):
+        replay(programs, path, scheduler_barriers=scheduler, priority=priority, barrier_names=barrier_names)
