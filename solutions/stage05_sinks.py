@@ -367,8 +367,11 @@ def attend_kv_tiles(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
 # --8<-- [start:normalize]
 @cute.jit
 def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor, scale_log2: cutlass.Float32,
-                   sink_log2: cutlass.Float32, has_sink: cutlass.Constexpr):
-    """O /= the softmax denominator: the row sum, plus exp(sink - M) when there is a sink logit.
+                   sink_log2: cutlass.Float32):
+    """O /= the softmax denominator: the row sum, plus exp(sink - M) for the sink logit.
+
+    Without sink logits the sink is -inf: its term exp2(-inf) = 0 adds nothing,
+    so one kernel serves calls with and without them.
 
     The row sum is relative to max * scale_log2 (log2 units); the sink term is
     relative to the sink. Both are brought to top = max(max * scale_log2, sink)
@@ -376,28 +379,24 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
     """
     o = rows_cols_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-        inv_sum = cute.arch.rcp_approx(row_sum[r])
-        if row_sum[r] == 0.0:
+        # [exercise 5] Set inv_sum so that O * inv_sum is the softmax with the sink as one
+        #   more term of the denominator (sink_log2: the sink logit in log2 units). The row
+        #   sum and O are relative to row_max * scale_log2, the sink term to the sink: bring
+        #   both to one reference first, so that no exp2 overflows for a sink of -60 or +60. A
+        #   row with no visible key gets O = 0, and a -inf sink on such a row must not make
+        #   NaN. (page: Sink logits: one more term in the denominator)
+        max_scaled = row_max[r] * scale_log2
+        top = cute.arch.fmax(max_scaled, sink_log2)
+        # No visible key and a -inf sink: both terms are exp2(-inf) = 0 against 0, as the softmax
+        # does for a -inf max, never exp2(-inf - (-inf)) = NaN; the row is empty: O = 0.
+        if top == -cutlass.Float32.inf:
+            top = cutlass.Float32(0.0)
+        rescale = cute.math.exp2(max_scaled - top, fastmath=True)
+        denominator = row_sum[r] * rescale + cute.math.exp2(sink_log2 - top, fastmath=True)
+        inv_sum = rescale * cute.arch.rcp_approx(denominator)
+        if denominator == 0.0:
             inv_sum = cutlass.Float32(0.0)
-        if cutlass.const_expr(has_sink):
-            # [exercise 5] Set inv_sum so that O * inv_sum is the softmax with the sink as one
-            #   more term of the denominator (sink_log2: the sink logit in log2 units). The row
-            #   sum and O are relative to row_max * scale_log2, the sink term to the sink: bring
-            #   both to one reference first, so that no exp2 overflows for a sink of -60 or +60. A
-            #   row with no visible key gets O = 0, and a -inf sink on such a row must not make
-            #   NaN. (page: Sink logits: one more term in the denominator)
-            max_scaled = row_max[r] * scale_log2
-            top = cute.arch.fmax(max_scaled, sink_log2)
-            # No visible key and a -inf sink: both terms are exp2(-inf) = 0 against 0, as the softmax
-            # does for a -inf max, never exp2(-inf - (-inf)) = NaN; the row is empty: O = 0.
-            if top == -cutlass.Float32.inf:
-                top = cutlass.Float32(0.0)
-            rescale = cute.math.exp2(max_scaled - top, fastmath=True)
-            denominator = row_sum[r] * rescale + cute.math.exp2(sink_log2 - top, fastmath=True)
-            inv_sum = rescale * cute.arch.rcp_approx(denominator)
-            if denominator == 0.0:
-                inv_sum = cutlass.Float32(0.0)
-            # [/exercise]
+        # [/exercise]
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] *= inv_sum
 # --8<-- [end:normalize]
@@ -438,6 +437,7 @@ class Attention:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         num_sink_tokens: cutlass.Int32,
+        write_lse: cutlass.Int32,
         stream,
     ):
         dtype, d = self.dtype, self.head_dim
@@ -487,7 +487,8 @@ class Attention:
         grid = ((seqlen_q + TILE_M - 1) // TILE_M, num_heads_q, batch)
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
-            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, write_lse, sQ_layout, sK_layout,
+            sV_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -509,6 +510,7 @@ class Attention:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         num_sink_tokens: cutlass.Int32,
+        write_lse: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -614,10 +616,9 @@ class Attention:
                             pipeline_v, v_state, tScS, n_tiles, n_sink_blocks, n_block_min, mask, row_max,
                             row_sum, scale_log2, self.dtype)
             quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
-            sink_log2 = cutlass.Float32(0.0)
-            if cutlass.const_expr(self.config.has_sink_logits):
-                sink_log2 = mSinks[head] * LOG2_E  # natural-log units, never scaled by softmax_scale
-            normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, self.config.has_sink_logits)
+            # Natural-log units, never scaled by softmax_scale; -inf without sink logits: no term at all.
+            sink_log2 = mSinks[head] * LOG2_E
+            normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2)
             # --8<-- [end:consumer]
 
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)

@@ -362,29 +362,25 @@ def attend_kv_tiles(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
 # --8<-- [start:normalize]
 @cute.jit
 def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tensor, scale_log2: cutlass.Float32,
-                   sink_log2: cutlass.Float32, has_sink: cutlass.Constexpr, lse: cute.Tensor):
+                   sink_log2: cutlass.Float32, lse: cute.Tensor):
     """O /= the softmax denominator; ``lse[r]`` gets the row's natural-log LSE.
 
     In log2 units the denominator is 2^top * denominator, with top = max * scale_log2
-    (and the sink, when there is one, brought to the common reference
+    (and the sink logit, -inf without sink logits, brought to the common reference
     top = max(max * scale_log2, sink)). So LSE = (top + log2(denominator)) * ln 2,
     which is -inf for a row with no visible key and no sink (or a -inf one), and
     the sink logit for a row with only the sink.
     """
     o = rows_cols_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-        top = row_max[r] * scale_log2
-        rescale = cutlass.Float32(1.0)
-        denominator = row_sum[r]
-        if cutlass.const_expr(has_sink):
-            max_scaled = top
-            top = cute.arch.fmax(max_scaled, sink_log2)
-            # No visible key and a -inf sink: both terms are exp2(-inf) = 0 against 0, as the softmax
-            # does for a -inf max, never exp2(-inf - (-inf)) = NaN; the row is empty: O = 0, LSE = -inf.
-            if top == -cutlass.Float32.inf:
-                top = cutlass.Float32(0.0)
-            rescale = cute.math.exp2(max_scaled - top, fastmath=True)
-            denominator = row_sum[r] * rescale + cute.math.exp2(sink_log2 - top, fastmath=True)
+        max_scaled = row_max[r] * scale_log2
+        top = cute.arch.fmax(max_scaled, sink_log2)
+        # No visible key and a -inf sink: both terms are exp2(-inf) = 0 against 0, as the softmax
+        # does for a -inf max, never exp2(-inf - (-inf)) = NaN; the row is empty: O = 0, LSE = -inf.
+        if top == -cutlass.Float32.inf:
+            top = cutlass.Float32(0.0)
+        rescale = cute.math.exp2(max_scaled - top, fastmath=True)
+        denominator = row_sum[r] * rescale + cute.math.exp2(sink_log2 - top, fastmath=True)
         inv_sum = rescale * cute.arch.rcp_approx(denominator)
         if denominator == 0.0:
             inv_sum = cutlass.Float32(0.0)
@@ -451,6 +447,7 @@ class Attention:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         num_sink_tokens: cutlass.Int32,
+        write_lse: cutlass.Int32,
         stream,
     ):
         dtype, d = self.dtype, self.head_dim
@@ -500,7 +497,8 @@ class Attention:
         grid = ((seqlen_q + TILE_M - 1) // TILE_M, num_heads_q, batch)
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
-            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, write_lse, sQ_layout, sK_layout,
+            sV_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -522,6 +520,7 @@ class Attention:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         num_sink_tokens: cutlass.Int32,
+        write_lse: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -625,12 +624,11 @@ class Attention:
                             pipeline_v, v_state, tScS, n_tiles, n_sink_blocks, n_block_min, mask, row_max,
                             row_sum, scale_log2, self.dtype)
             quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
-            sink_log2 = cutlass.Float32(0.0)
-            if cutlass.const_expr(self.config.has_sink_logits):
-                sink_log2 = mSinks[head] * LOG2_E  # natural-log units, never scaled by softmax_scale
+            # Natural-log units, never scaled by softmax_scale; -inf without sink logits: no term at all.
+            sink_log2 = mSinks[head] * LOG2_E
             lse = cute.make_rmem_tensor(rows, cutlass.Float32)
-            normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, self.config.has_sink_logits, lse)
-            if cutlass.const_expr(self.config.has_lse):
+            normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, lse)
+            if write_lse != 0:  # a runtime choice: one uniform branch at the end of the tile
                 store_lse(lse, mLSE, tScS, m_block * TILE_M, mQ.shape[0], head, batch, mma_tidx)
             # --8<-- [end:consumer]
 

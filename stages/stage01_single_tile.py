@@ -212,6 +212,7 @@ class Attention:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         num_sink_tokens: cutlass.Int32,
+        write_lse: cutlass.Int32,
         stream,
     ):
         dtype, d = self.dtype, self.head_dim
@@ -271,7 +272,8 @@ class Attention:
         # --8<-- [end:grid]
         self.kernel(
             qk_mma, pv_mma, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
-            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, sQ_layout, sK_layout, sV_layout,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, write_lse, sQ_layout, sK_layout,
+            sV_layout,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -293,6 +295,7 @@ class Attention:
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
         num_sink_tokens: cutlass.Int32,
+        write_lse: cutlass.Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,

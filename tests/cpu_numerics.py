@@ -264,7 +264,7 @@ def add_pv(p: cute.Tensor, o: cute.Tensor, v: cute.Tensor, key0: Int32):
 
 
 @cute.jit
-def attend_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr, has_sink: cutlass.Constexpr,
+def attend_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr,
                 scores: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
                 scale_log2: cutlass.Float32, sink_log2: cutlass.Float32):
     """The stage's softmax path of a consumer thread, 2 whole rows per thread, over ``n_tiles`` tiles of keys.
@@ -275,11 +275,11 @@ def attend_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr, has_sink:
     reductions, normalize_rows. ``o`` [rows, O_COLUMNS] gets O; ``lse`` the LSE (stage 6).
     """
     for thread in range(cute.size(o, mode=[0]) // 2):
-        attend_two_rows(module, n_tiles, has_sink, scores, v, o, lse, scale_log2, sink_log2, 2 * thread)
+        attend_two_rows(module, n_tiles, scores, v, o, lse, scale_log2, sink_log2, 2 * thread)
 
 
 @cute.jit
-def attend_two_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr, has_sink: cutlass.Constexpr,
+def attend_two_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr,
                     scores: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
                     scale_log2: cutlass.Float32, sink_log2: cutlass.Float32, row0: Int32):
     """One thread of attend_rows: rows row0 and row0 + 1. (A function of its own: a runtime loop
@@ -316,9 +316,9 @@ def attend_two_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr, has_s
     if cutlass.const_expr(module.STAGE >= 2):
         module.quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
     if cutlass.const_expr(module.STAGE >= 6):
-        module.normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, has_sink, row_lse)
+        module.normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, row_lse)
     if cutlass.const_expr(module.STAGE == 5):
-        module.normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2, has_sink)
+        module.normalize_rows(acc_O, row_sum, row_max, scale_log2, sink_log2)
     if cutlass.const_expr(module.STAGE <= 4):
         module.normalize_rows(acc_O, row_sum)
     for r in cutlass.range_constexpr(2):
@@ -552,8 +552,9 @@ def check_attend_rows(module, *, n_tiles: int, seqlen_k: int, features: dict | N
     v_tiles = torch.zeros(width, O_COLUMNS)
     v_tiles[:seqlen_k] = v[0, :, 0]
     o, lse = torch.full((rows, O_COLUMNS), math.nan), torch.full((rows,), math.nan)
-    args = (scores, v_tiles, o, lse, head_dim ** -0.5 * LOG2_E, (sink_logit or 0.0) * LOG2_E)
-    compile_on_cpu(attend_rows, (module, n_tiles, sink is not None), args)(*args)
+    # No sink logits: the kernels pass -inf, whose term exp2(-inf) = 0 is no term.
+    args = (scores, v_tiles, o, lse, head_dim ** -0.5 * LOG2_E, -math.inf if sink_logit is None else sink_logit * LOG2_E)
+    compile_on_cpu(attend_rows, (module, n_tiles), args)(*args)
     where = (f"{SOFTMAX_PATHS[min(module.STAGE, 3)]}, {mask_description(features)}, S_k={seqlen_k}"
              + (f", sink logit {sink_logit}" if sink is not None else "")
              + (f", logits x{logit_scale}" if logit_scale != 1 else ""))

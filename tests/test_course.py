@@ -213,6 +213,20 @@ def test_a_partial_bench_run_keeps_every_other_row(tmp_path, capsys):
     assert results_page.merge_into(tmp_path / "empty", run) is run
 
 
+def test_merge_command_keeps_the_folders_own_rows(tmp_path):
+    """`course.tools.results --merge RUN` adds a run to the folder's bench.json: rows it did not time stay."""
+    import json
+
+    earlier = fake_decode_results([(32, 8), (64, 1)])
+    (tmp_path / "bench.json").write_text(json.dumps(earlier))
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(fake_decode_results([(64, 1)])))
+    assert results_page.main(["--dir", str(tmp_path), "--merge", str(run)]) == 0
+    merged = json.loads((tmp_path / "bench.json").read_text())
+    assert sorted((r["label"], r["kernel"]) for r in merged["decode"]["rows"]) == sorted(
+        (r["label"], r["kernel"]) for r in earlier["decode"]["rows"]), "--merge of one grouping lost the other"
+
+
 def test_every_stage_page_has_its_results_or_says_there_are_none(tmp_path):
     """render writes a results file per ready stage: a stage without rows gets "not measured", never a table
     left over from data that is gone."""

@@ -264,13 +264,14 @@ class DecodePartials:
 _PLACEHOLDERS: dict = {}
 
 
-def placeholder(device, shape: tuple, dtype=None):
-    """A small zero tensor, cached per (device, shape, dtype), for an argument that a kernel
-    compiled without its feature (sinks, LSE, block table) never reads or writes."""
+def placeholder(device, shape: tuple, dtype=None, fill: float = 0.0):
+    """A small tensor of ``fill``, cached per (device, shape, dtype, fill), for an argument whose feature
+    the call does not use: one the kernel never reads or writes (LSE, block table), or one whose value
+    means "none" (-inf sink logits)."""
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
-    key = (str(device), tuple(shape), dtype)
+    key = (str(device), tuple(shape), dtype, fill)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = persistent(device, lambda: torch.zeros(shape, device=device, dtype=dtype))
+        _PLACEHOLDERS[key] = persistent(device, lambda: torch.full(shape, fill, device=device, dtype=dtype))
     return _PLACEHOLDERS[key]

@@ -31,20 +31,20 @@ HEAD_DIMS = (64, 128)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """What one compiled kernel is specialized for; a feature that is off compiles out.
+    """What one compiled kernel is specialized for: the features that shape its main loop (a bounded
+    window side, sink tokens) compile out when off.
 
     Everything else (batch, lengths, heads, the window sizes, the number of
     sink tokens, the softmax scale) is a runtime value, so one compile serves
-    every shape.
+    every shape; so are the two features of the epilogue alone: sink logits
+    (-inf for none: exp2(-inf) = 0 adds nothing) and writing the LSE (a flag).
     """
 
     dtype: str = "float16"             # "float16" or "bfloat16" (q, k, v and o)
     head_dim: int = 128
     has_left: bool = False             # a bounded left window side (stage 4)
     has_right: bool = False            # a bounded right side: causal, or a window's right (stage 4)
-    has_sink_logits: bool = False      # one sink logit per query head (stage 5)
     has_sink_tokens: bool = False      # keys exempt from the left bound; only with has_left (stage 5)
-    has_lse: bool = False              # also write the per-row LSE (stage 6)
 
     @property
     def cute_dtype(self):
@@ -54,43 +54,40 @@ class KernelConfig:
 
     @property
     def name(self) -> str:
-        """e.g. ``bfloat16_d128_LRSTE``: L/R bounded window sides, S sink logits, T sink tokens, E LSE."""
-        flags = (self.has_left, self.has_right, self.has_sink_logits, self.has_sink_tokens, self.has_lse)
-        return f"{self.dtype}_d{self.head_dim}_" + ("".join(c for c, on in zip("LRSTE", flags) if on) or "full")
+        """e.g. ``bfloat16_d128_LRT``: L/R bounded window sides, T sink tokens."""
+        flags = (self.has_left, self.has_right, self.has_sink_tokens)
+        return f"{self.dtype}_d{self.head_dim}_" + ("".join(c for c, on in zip("LRT", flags) if on) or "full")
 
 
 def kernel_configs(stage: int) -> list[KernelConfig]:
-    """Every configuration stage ``stage`` compiles: its features (validation.FEATURE_STAGE) on and off.
-
-    The last one has every feature of the stage on.
+    """Every configuration stage ``stage`` compiles: its loop-shaping features (validation.FEATURE_STAGE)
+    on and off. The last one has every such feature of the stage on.
     """
     def added_by(feature: str) -> bool:
         return validation.FEATURE_STAGE[feature][0] <= stage
 
     either = (False, True)
     sides = either if added_by("window_size") else (False,)
-    sinks = either if added_by("sink_logits") else (False,)
-    lse = either if added_by("return_lse") else (False,)
-    return [KernelConfig(dtype, d, left, right, logits, tokens, with_lse)
-            for dtype in DTYPES for d in HEAD_DIMS for left in sides for right in sides for logits in sinks
-            for tokens in (sinks if left else (False,)) for with_lse in lse]
+    tokens = either if added_by("num_sink_tokens") else (False,)
+    return [KernelConfig(dtype, d, left, right, with_tokens)
+            for dtype in DTYPES for d in HEAD_DIMS for left in sides for right in sides
+            for with_tokens in (tokens if left else (False,))]
 
 
 def fake_arguments(config: KernelConfig) -> tuple:
-    """The symbolic arguments a kernel is compiled with: one compile for every shape.
-
-    Without ``has_lse`` the LSE argument is a placeholder with sizes of its own
-    (``attention`` passes a tiny tensor there).
+    """The symbolic arguments a kernel is compiled with: one compile for every shape, with and without sink
+    logits and the LSE. The LSE argument has sizes of its own: without ``return_lse`` it is a placeholder
+    that the kernel, told so by its ``write_lse`` flag (the last argument), never touches.
     """
     import cutlass
     import torch
 
     symbols: dict = {}
     q, k, v, o = fake_attention_tensors(getattr(torch, config.dtype), config.head_dim, symbols)
-    lse = symbolic_tensor(torch.float32, ("B", "H_q", "S_q") if config.has_lse else ("b", "h", "s"),
-                          symbols=symbols if config.has_lse else {}, align=4, stride_divisibility=1)
+    lse = symbolic_tensor(torch.float32, ("b", "h", "s"), symbols={}, align=4, stride_divisibility=1)
     sinks = symbolic_tensor(torch.float32, ("H_q",), symbols=symbols, align=4, stride_divisibility=1)
-    return (q, k, v, o, lse, sinks, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0))
+    return (q, k, v, o, lse, sinks, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
+            cutlass.Int32(0))
 
 
 def cross_compile_config(kernel_class, config: KernelConfig, *, stage: int, keep: bool = False) -> CompileReport:
@@ -153,20 +150,21 @@ def plan_attention(stage: int, kernel_class, q, k, v, *, softmax_scale, causal, 
     validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits)
     left, right, num_sink_tokens = kernel_window(causal, window_size, num_sink_tokens, shape)
     config = KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
-                          sink_logits is not None, left >= 0 and num_sink_tokens > 0, bool(return_lse))
+                          left >= 0 and num_sink_tokens > 0)
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
     device = q.device
     lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
     no_lse = launch.placeholder(device, (1, 1, 1))
-    no_sinks = launch.placeholder(device, (shape.heads_q,))
+    no_sinks = launch.placeholder(device, (shape.heads_q,), fill=float("-inf"))  # a -inf sink is no sink
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
+    write_lse = int(bool(return_lse))
 
     def run(q, k, v, sink_logits, out):
         if out is None:
             out = q.new_empty(q.shape)
         lse = torch.empty(lse_shape, device=device, dtype=torch.float32) if return_lse else no_lse
         kernel(q, k, v, out, lse, no_sinks if sink_logits is None else sink_logits, scale_log2, left, right,
-               num_sink_tokens)
+               num_sink_tokens, write_lse)
         return (out, lse) if return_lse else out
 
     return run

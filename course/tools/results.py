@@ -507,11 +507,16 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR,
                         help="the folder with bench.json (default: docs/results)")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="BENCH_JSON",
-                        help="bench.json files of several runs on one GPU: merged into DIR/bench.json first")
+                        help="bench.json files of several runs on one GPU: merged, after DIR/bench.json's own rows, "
+                             "into DIR/bench.json first (a later run's row replaces an earlier one's)")
     args = parser.parse_args(argv)
     if args.merge:
-        merged = merge([json.loads(path.read_text()) for path in args.merge])
-        (args.dir / "bench.json").write_text(json.dumps(merged, indent=2) + "\n")
+        # DIR's own rows stay unless a listed run times them again (a partial run never loses data).
+        target = args.dir / "bench.json"
+        listed = [path.resolve() for path in args.merge]
+        runs = ([target] if target.exists() and target.resolve() not in listed else []) + list(args.merge)
+        merged = merge([json.loads(path.read_text()) for path in runs])
+        target.write_text(json.dumps(merged, indent=2) + "\n")
     render(args.dir)
     print(f"wrote {args.dir / TABLES}, {args.dir / BENCH_MD} and the stage tables from {args.dir / 'bench.json'}")
     if args.merge:  # the plots come from course.tools.bench, which draws them from the merged rows without a GPU
