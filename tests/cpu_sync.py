@@ -35,10 +35,12 @@ The first broken rule fails the check with the offending line and what to look f
 
 from __future__ import annotations
 
+import __future__
+import ast
 import inspect
 import sys
-import types
 from dataclasses import dataclass, field
+from pathlib import Path
 
 WARPGROUP_THREADS = 128
 
@@ -229,13 +231,23 @@ def stand_ins(rec: Recorder) -> dict:
 
 
 def as_python(module, names: tuple[str, ...], overrides: dict) -> dict:
-    """The module's functions ``names`` as plain Python (their ``@cute.jit`` undone), calling each other
-    and ``overrides`` instead of the DSL."""
+    """The module's functions ``names`` as plain Python, calling each other and ``overrides`` instead of the DSL.
+
+    They are compiled afresh from the module's file, without their decorators: once the DSL has
+    traced a ``@cute.jit`` function, the function it keeps is its own rewrite of the source (its
+    ``if`` and ``for`` become DSL regions), which only runs inside a trace.
+    """
     scope = dict(vars(module))
     scope.update(overrides)
+    path = inspect.getsourcefile(module)
+    tree = ast.parse(Path(path).read_text(), filename=path)
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
     for name in names:
-        fn = inspect.unwrap(getattr(module, name))
-        scope[name] = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        node = functions[name]
+        node.decorator_list = []
+        code = compile(ast.Module(body=[node], type_ignores=[]), path, "exec",
+                       flags=__future__.annotations.compiler_flag, dont_inherit=True)
+        exec(code, scope)
     return scope
 
 
