@@ -256,9 +256,9 @@ class WindowMask:
 
         The loop visits the window's tiles from the last down: those cut by the
         right bound or S_k, the full ones, those cut by the left bound; then the
-        sink tiles (masked). A loop over the full ones has no branch on the mask:
-        ptxas then keeps the softmax under the P V WGMMA (a branch between the two
-        waits makes it wait for both WGMMAs at the branch's end, and the overlap is gone).
+        sink tiles (masked). A loop over the full ones has no branch on the mask and
+        no select per score (a branch between the two waits makes ptxas wait for both
+        WGMMAs at the branch's end; `course sass 8` shows what it makes of the loop).
         """
         lo = n_block_min
         hi = cutlass.min(n_block_max, self.seqlen_k // TILE_N)

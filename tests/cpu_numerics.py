@@ -47,6 +47,7 @@ from course.runtime.stages import ROOT
 
 GPU_ONLY_OPS = ("nvvm.", "nvgpu.", "gpu.", "llvm.inline_asm")
 MMA_THREADS = 256  # the two consumer warpgroups of a prefill CTA
+Q_TILE_ROWS = 128  # a prefill CTA's Q tile: 64 rows per MMA warpgroup (stage 8 names it per kernel, tile_m)
 ROW_TILE = 32      # keys per tile in the whole-row softmax checks (the kernels use 128; the math is the same)
 O_COLUMNS = 8      # columns of O in the whole-row softmax checks
 LOG2_E = math.log2(math.e)
@@ -199,7 +200,10 @@ def qk_tiled_mma(module):
 
 
 def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens):
-    """The stage's WindowMask of Q tile ``m_block``; num_sink_tokens is one of its arguments from stage 5 on."""
+    """The stage's WindowMask of Q tile ``m_block``; num_sink_tokens is one of its arguments from stage 5 on,
+    the Q tile's rows from stage 8 on (two MMA warpgroups: 128)."""
+    if module.STAGE >= 8:
+        return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS)
     if module.STAGE >= 5:
         return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
     return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, config)
@@ -207,12 +211,14 @@ def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_si
 
 @cute.jit
 def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: cutlass.Constexpr,
-                scores: cute.Tensor, tiles: cute.Tensor, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
-                left: Int32, right: Int32, num_sink_tokens: Int32):
+                scores: cute.Tensor, tiles: cute.Tensor, visits: cute.Tensor, m_block: Int32, seqlen_q: Int32,
+                seqlen_k: Int32, left: Int32, right: Int32, num_sink_tokens: Int32):
     """WindowMask of Q tile ``m_block`` on every register of every consumer thread, for each KV tile.
 
     ``scores`` [TILE_M, n_blocks * TILE_N], zeros, gets -inf where ``apply`` masks a key;
-    ``tiles`` gets [n_block_min, n_block_max, sink tiles] (``kv_block_range``, ``sink_block_count``).
+    ``tiles`` gets [n_block_min, n_block_max, sink tiles] (``kv_block_range``, ``sink_block_count``),
+    and from stage 8 on the loop's [first, end) of unmasked steps (``unmasked_steps``); ``visits``
+    [3, n_blocks] gets, per step, its KV tile (``kv_block``), and per KV tile ``tile_is_partial``.
     """
     qk_mma = qk_tiled_mma(module)
     mask = window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens)
@@ -221,12 +227,21 @@ def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: 
     tiles[1] = n_block_max
     if cutlass.const_expr(module.STAGE >= 5):
         tiles[2] = mask.sink_block_count(n_block_min)
+    if cutlass.const_expr(module.STAGE >= 8):
+        tiles[3], tiles[4] = mask.unmasked_steps(n_block_min, n_block_max)
+        n_steps = tiles[2] + n_block_max - n_block_min
+        kv_block, tile_is_partial = mask.kv_block, mask.tile_is_partial  # (bound: the branch may not carry mask)
+        for i in cutlass.range_constexpr(n_blocks):
+            visits[0, i] = -1
+            if i < n_steps:
+                visits[0, i] = kv_block(i, n_block_min, n_block_max)
+            visits[1, i] = Int32(tile_is_partial(i))
     apply = mask.apply  # (a runtime loop may not carry the mask object; its bound method is fine)
     for n_block in range(n_blocks):
         for thread in range(MMA_THREADS):
             thr = qk_mma.get_slice(thread)
-            acc_S = thr.make_fragment_C(thr.partition_shape_C((module.TILE_M, module.TILE_N)))
-            tScS = thr.partition_C(cute.make_identity_tensor((module.TILE_M, module.TILE_N)))
+            acc_S = thr.make_fragment_C(thr.partition_shape_C((Q_TILE_ROWS, module.TILE_N)))
+            tScS = thr.partition_C(cute.make_identity_tensor((Q_TILE_ROWS, module.TILE_N)))
             acc_S.fill(0.0)
             apply(acc_S, tScS, n_block)
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
@@ -476,21 +491,50 @@ def check_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
     left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
     sinks = features.get("num_sink_tokens", 0)
     config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = module.TILE_M, module.TILE_N
+    tile_m, tile_n = Q_TILE_ROWS, module.TILE_N
     n_blocks = max(_tiles(s_k, tile_n) for _, s_k in lengths)
     scores = torch.zeros(tile_m, n_blocks * tile_n)
-    tiles = torch.zeros(3, dtype=torch.int32)
+    tiles = torch.zeros(5, dtype=torch.int32)
+    visits = torch.zeros(3, n_blocks, dtype=torch.int32)
     for s_q, s_k in lengths:
         visible = reference.visible_keys(s_q, s_k, **features)
         for m_block in range(_tiles(s_q, tile_m)):
             scores.zero_()
             tiles.zero_()
-            args = (scores, tiles, m_block, s_q, s_k, left, right, sinks)
+            args = (scores, tiles, visits, m_block, s_q, s_k, left, right, sinks)
             compile_on_cpu(mask_q_tile, (module, config, n_blocks), args)(*args)
             rows = visible[m_block * tile_m:(m_block + 1) * tile_m]
             where = f"{mask_description(features)}, S_q={s_q}, S_k={s_k}, Q tile {m_block}"
             _assert_masked_exactly(scores[:len(rows)] == 0, rows, m_block * tile_m, where)
-            _assert_visits_exactly(tiles.tolist(), rows, n_blocks, tile_n, where)
+            _assert_visits_exactly(tiles.tolist()[:3], rows, n_blocks, tile_n, where)
+            if module.STAGE >= 8:
+                _assert_masked_steps(tiles.tolist(), visits, rows, n_blocks, tile_n, s_k, where)
+
+
+def _assert_masked_steps(tiles: list[int], visits: torch.Tensor, rows: torch.Tensor, n_blocks: int, tile_n: int,
+                         seqlen_k: int, where: str) -> None:
+    """Stage 8: the loop's steps visit the needed tiles once each, and every step that runs without the mask
+    (tile_is_partial False, or a step of unmasked_steps' range) is on a tile where every real row sees every key."""
+    n_min, n_max, n_sink, first, end = tiles
+    steps = [n for n in visits[0].tolist() if n >= 0]
+    needed = list(range(n_sink)) + list(range(n_min, n_max))
+    if sorted(steps) != sorted(needed):
+        raise AssertionError(f"WindowMask.kv_block, {where}: the loop's steps visit KV tiles {steps}; they must visit "
+                             f"{sorted(needed)}, each once")
+
+    def needs_mask(n: int) -> bool:
+        return (n + 1) * tile_n > seqlen_k or not bool(rows[:, n * tile_n:(n + 1) * tile_n].all())
+
+    for n in needed:
+        if needs_mask(n) and not visits[1, n]:
+            raise AssertionError(f"WindowMask.tile_is_partial, {where}: KV tile {n} is called full, but some row of "
+                                 "this Q tile may not see one of its keys (or it runs past S_k): the mask would be "
+                                 "skipped there")
+    for i in range(max(first, 1), end):
+        if i < len(steps) and needs_mask(steps[i]):
+            raise AssertionError(f"WindowMask.unmasked_steps, {where}: step {i} (KV tile {steps[i]}) is in the "
+                                 f"unmasked range [{first}, {end}), but some row of this Q tile may not see one of "
+                                 "its keys: the loop without a mask would let it through")
 
 
 def _assert_masked_exactly(kept: torch.Tensor, rows: torch.Tensor, row0: int, where: str) -> None:

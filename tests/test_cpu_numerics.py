@@ -52,6 +52,10 @@ PLANTED = {
                          lambda m: cpu_numerics.check_schedule(m, **dict(SCHEDULE, l2_bytes=1 << 20), longest_first=False)),
     "longest-first-forgotten": (8, "coords", [SetValue("m_block", "m_rank", nth=1)],
                                 lambda m: cpu_numerics.check_schedule(m, **SCHEDULE, longest_first=True)),
+    "diagonal-tiles-called-full": (8, "unmasked_steps", [SetValue("hi", "hi", nth=1)],  # S_k - S_q = 187: two cut
+                                   lambda m: cpu_numerics.check_masks(m, dict(causal=True), [(513, 700)])),
+    "left-cut-tiles-called-full": (8, "tile_is_partial", [SetValue("partial", "partial", nth=2)],
+                                   lambda m: cpu_numerics.check_masks(m, dict(window_size=(300, 17)), [(513, 513)])),
 }
 
 

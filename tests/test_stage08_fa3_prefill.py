@@ -15,6 +15,8 @@ from course.runtime import prefill, stages
 from course import testing
 from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
 from test_stage04_masking import test_masks_match_reference, test_masks_with_gqa  # noqa: F401
+from test_stage04_masking import MASK_LENGTHS, MASKS
+from test_stage05_sinks import SINK_TOKEN_MASKS
 from test_stage04_masking import test_rows_without_visible_keys_are_zero  # noqa: F401
 from test_stage05_sinks import test_extreme_sink_logits, test_only_sink_token_visible  # noqa: F401
 from test_stage05_sinks import test_sinks_match_reference  # noqa: F401
@@ -54,6 +56,18 @@ MiB = 1024 * 1024
 def test_on_cpu_tile_order(stage, problem, longest_first):
     """Your l2_group and coords: every (Q tile, head, batch) exactly once, in the grouped order."""
     cpu_numerics.check_schedule(stage, longest_first=longest_first, **problem)
+
+
+STAGE8_MASKS = {**{name: (case, MASK_LENGTHS) for name, case in MASKS.items()}, **SINK_TOKEN_MASKS}
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("name", list(STAGE8_MASKS))
+def test_on_cpu_window_and_visit_order(stage, name):
+    """Stage 8's WindowMask on the CPU: apply on every register, the tiles visited (window range from its last
+    tile down, then the sink tiles), and which steps may skip the mask (tile_is_partial, unmasked_steps)."""
+    case, lengths = STAGE8_MASKS[name]
+    cpu_numerics.check_masks(stage, case, lengths)
 
 
 @pytest.mark.parametrize("overlapped", [True, False], ids=["overlapped-loop", "pingpong-loop"])
