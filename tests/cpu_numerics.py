@@ -218,7 +218,7 @@ def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: 
     ``scores`` [TILE_M, n_blocks * TILE_N], zeros, gets -inf where ``apply`` masks a key;
     ``tiles`` gets [n_block_min, n_block_max, sink tiles] (``kv_block_range``, ``sink_block_count``),
     and from stage 8 on the loop's [first, end) of unmasked steps (``unmasked_steps``); ``visits``
-    [3, n_blocks] gets, per step, its KV tile (``kv_block``), and per KV tile ``tile_is_partial``.
+    [2, n_blocks] gets, per step, its KV tile (``kv_block``), and per KV tile ``tile_is_partial``.
     """
     qk_mma = qk_tiled_mma(module)
     mask = window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens)
@@ -495,7 +495,7 @@ def check_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
     n_blocks = max(_tiles(s_k, tile_n) for _, s_k in lengths)
     scores = torch.zeros(tile_m, n_blocks * tile_n)
     tiles = torch.zeros(5, dtype=torch.int32)
-    visits = torch.zeros(3, n_blocks, dtype=torch.int32)
+    visits = torch.zeros(2, n_blocks, dtype=torch.int32)
     for s_q, s_k in lengths:
         visible = reference.visible_keys(s_q, s_k, **features)
         for m_block in range(_tiles(s_q, tile_m)):
@@ -508,16 +508,21 @@ def check_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
             _assert_masked_exactly(scores[:len(rows)] == 0, rows, m_block * tile_m, where)
             _assert_visits_exactly(tiles.tolist()[:3], rows, n_blocks, tile_n, where)
             if module.STAGE >= 8:
-                _assert_masked_steps(tiles.tolist(), visits, rows, n_blocks, tile_n, s_k, where)
+                _assert_masked_steps(tiles.tolist(), visits, rows, tile_n, s_k, where)
 
 
-def _assert_masked_steps(tiles: list[int], visits: torch.Tensor, rows: torch.Tensor, n_blocks: int, tile_n: int,
-                         seqlen_k: int, where: str) -> None:
+def _visited_tiles(n_min: int, n_max: int, n_sink: int) -> list[int]:
+    """The KV tiles a Q tile's loop must visit: the sink tiles below its range, then the range."""
+    return list(range(n_sink)) + list(range(n_min, n_max))
+
+
+def _assert_masked_steps(tiles: list[int], visits: torch.Tensor, rows: torch.Tensor, tile_n: int, seqlen_k: int,
+                         where: str) -> None:
     """Stage 8: the loop's steps visit the needed tiles once each, and every step that runs without the mask
     (tile_is_partial False, or a step of unmasked_steps' range) is on a tile where every real row sees every key."""
     n_min, n_max, n_sink, first, end = tiles
     steps = [n for n in visits[0].tolist() if n >= 0]
-    needed = list(range(n_sink)) + list(range(n_min, n_max))
+    needed = _visited_tiles(n_min, n_max, n_sink)
     if sorted(steps) != sorted(needed):
         raise AssertionError(f"WindowMask.kv_block, {where}: the loop's steps visit KV tiles {steps}; they must visit "
                              f"{sorted(needed)}, each once")
@@ -553,7 +558,7 @@ def _assert_masked_exactly(kept: torch.Tensor, rows: torch.Tensor, row0: int, wh
 def _assert_visits_exactly(tiles: list[int], rows: torch.Tensor, n_blocks: int, tile_n: int, where: str) -> None:
     n_min, n_max, n_sink = tiles
     needed = [n for n in range(n_blocks) if rows[:, n * tile_n:(n + 1) * tile_n].any()]
-    visited = list(range(n_sink)) + list(range(n_min, n_max))
+    visited = _visited_tiles(n_min, n_max, n_sink)
     if sorted(visited) != needed or len(set(visited)) != len(visited):
         sink_part = f"sink tiles [0, {n_sink}) then " if n_sink else ""
         raise AssertionError(

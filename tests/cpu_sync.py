@@ -85,11 +85,8 @@ class Recorder:
 class Registers:
     """A register fragment (S, P, O): what GEMMs read and accumulate into and what the softmax touches."""
 
-    count = 0
-
     def __init__(self, rec: Recorder, name: str):
-        Registers.count += 1
-        self.rec, self.name, self.id = rec, name, Registers.count
+        self.rec, self.name = rec, name
         self.element_type = "fp16"
 
     def load(self):
@@ -143,10 +140,10 @@ class Pipeline:
         self.rec, self.name = rec, name
 
     def consumer_wait(self, state: State):
-        self.rec.add("wait", buffer=Buffer(self.name, state.index), use=state.count)
+        self.rec.add("wait", buffer=Buffer(self.name, state.index))
 
     def consumer_release(self, state: State):
-        self.rec.add("release", buffer=Buffer(self.name, state.index), use=state.count)
+        self.rec.add("release", buffer=Buffer(self.name, state.index))
 
 
 class Mask:
@@ -326,13 +323,13 @@ def record_stage2(module, *, n_blocks: int = 3, seqlen_k: int = 300) -> list[Eve
     tSrQ, tSrK, tOrV = Buffer("Q", 0), SharedOperand("K"), SharedOperand("V")
     pipeline_k, pipeline_v = Pipeline(rec, "K"), Pipeline(rec, "V")
     k_state, v_state = State(module.KV_STAGES), State(module.KV_STAGES)
-    rec.add("wait", buffer=tSrQ, use=0)  # the Q barrier
+    rec.add("wait", buffer=tSrQ)  # the Q barrier
     rec.add("write", regs=acc_O)
     k_state = scope["first_pass_row_max"](None, acc_S, tSrQ, tSrK, pipeline_k, k_state, None, n_blocks, seqlen_k, None)
     scope["second_pass_accumulate"](None, None, acc_S, acc_O, tSrQ, tSrK, tOrV, pipeline_k, k_state, pipeline_v,
                                     v_state, None, n_blocks, seqlen_k, None, None, 1.0, None)
     rec.add("read", regs=acc_O)  # normalize_rows and the epilogue
-    rec.add("release", buffer=tSrQ, use=0)
+    rec.add("release", buffer=tSrQ)
     return rec.events
 
 
@@ -360,7 +357,7 @@ class WarpgroupState:
     groups: list[Group] = field(default_factory=list)
     waited: dict = field(default_factory=dict)  # Buffer -> line of its consumer_wait, until released
     holds_turn: bool = False
-    blocked_on: tuple | None = None  # (barrier id, phase) of a bar.sync not yet complete
+    blocked_on: int | None = None  # the barrier id of a bar.sync not yet complete
 
     @property
     def done(self) -> bool:
@@ -372,7 +369,6 @@ class BarrierPhase:
     count: int | None = None
     arrived: int = 0
     waiters: list = field(default_factory=list)
-    lines: list = field(default_factory=list)
 
 
 def _where(path: str, line: int) -> str:
@@ -388,7 +384,6 @@ def replay(programs: dict[str, list[Event]], path: str, *, scheduler_barriers: s
     def barrier(bid: int) -> str:
         return f"{names[bid]} (named barrier {bid})" if bid in names else f"named barrier {bid}"
     barriers: dict[int, BarrierPhase] = {}
-    generation: dict[int, int] = {}
 
     def fail(wg: WarpgroupState, event: Event, message: str):
         raise SyncError(f"{wg.name}, {_where(path, event.line)}: {message}")
@@ -413,7 +408,6 @@ def replay(programs: dict[str, list[Event]], path: str, *, scheduler_barriers: s
         phase = barriers.setdefault(bid, BarrierPhase())
         phase.count = event.args["count"]
         phase.arrived += WARPGROUP_THREADS
-        phase.lines.append(event.line)
         if phase.arrived > phase.count:
             fail(wg, event, f"named barrier {bid} gets more arrivals than its {phase.count} threads in one phase")
         if phase.arrived == phase.count:
@@ -427,7 +421,6 @@ def replay(programs: dict[str, list[Event]], path: str, *, scheduler_barriers: s
                 waiter.holds_turn = waiter.holds_turn or bid in scheduler_barriers
                 check_turn(waiter, event)
             barriers[bid] = BarrierPhase()
-            generation[bid] = generation.get(bid, 0) + 1
 
     def check_turn(wg, event):
         holders = [w.name for w in wgs.values() if w.holds_turn]
@@ -445,7 +438,7 @@ def replay(programs: dict[str, list[Event]], path: str, *, scheduler_barriers: s
         if kind == "bar.sync":
             bid = a["id"]
             barriers.setdefault(bid, BarrierPhase()).waiters.append(wg)
-            wg.blocked_on = (bid, generation.get(bid, 0))
+            wg.blocked_on = bid
             arrive(wg, event, bid)
             wg.at += 1
             return True
@@ -512,12 +505,9 @@ def replay(programs: dict[str, list[Event]], path: str, *, scheduler_barriers: s
         if all(w.done and w.blocked_on is None for w in wgs.values()):
             break
         if not progressed:
-            stuck = [w for w in wgs.values() if w.blocked_on is not None or not w.done]
-            lines = []
-            for w in stuck:
-                e = w.events[min(w.at, len(w.events)) - 1]
-                bid = w.blocked_on[0] if w.blocked_on else "?"
-                lines.append(f"{w.name} waits on {barrier(bid)} at {_where(path, e.line)}")
+            # Nothing ran: every unfinished warpgroup sits in the bar.sync it last stepped over.
+            lines = [f"{w.name} waits on {barrier(w.blocked_on)} at {_where(path, w.events[w.at - 1].line)}"
+                     for w in wgs.values() if w.blocked_on is not None]
             raise SyncError("deadlock (on a GPU, a hang): " + "; ".join(lines) + ". Nobody left will arrive on "
                             "those barriers: check that each warpgroup passes the turn to the NEXT one, and that "
                             "the first turn is given once")
