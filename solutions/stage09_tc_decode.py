@@ -644,50 +644,68 @@ class TensorCoreDecode:
         partial like a split's.
         """
         items, per_round = combine_loads(self.head_dim, self.num_warps)  # items folded at once, slots per round
+        passes = self.rows * self.head_dim // 4 // self.num_threads  # the thread's items, `items` per pass
+        if cutlass.const_expr(per_round < 16):
+            # A loop: the pass body is generated once, however many passes.
+            for first_item in cutlass.range(0, passes, items, unroll=1):
+                self.combine_pass(mPartO, mPartLSE, mO, mLSE, mSink, batch, first_head, heads_here, first, count,
+                                  slot, first_item, final)
+        else:
+            # 16 slots in flight per item (D = 64, 8 warps): unrolled passes, which ptxas fits in fewer
+            # registers (REGISTERS_PER_THREAD holds them).
+            for first_item in cutlass.range_constexpr(0, passes, items):
+                self.combine_pass(mPartO, mPartLSE, mO, mLSE, mSink, batch, first_head, heads_here, first, count,
+                                  slot, first_item, final)
+
+    @cute.jit
+    def combine_pass(self, mPartO: cute.Tensor, mPartLSE: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                     mSink: cute.Tensor, batch: Int32, first_head: Int32, heads_here: Int32, first: Int32,
+                     count: Int32, slot: Int32, first_item, final: cutlass.Constexpr):
+        """One pass of ``combine``: this thread's items first_item, first_item + 1, ... folded together."""
+        items, per_round = combine_loads(self.head_dim, self.num_warps)  # items folded at once, slots per round
         o = cute.make_rmem_tensor(cute.make_ordered_layout((items, 4), order=(1, 0)), Float32)
         state = cute.make_rmem_tensor(cute.make_ordered_layout((items, 2), order=(1, 0)), Float32)
         parts = cute.make_rmem_tensor(cute.make_ordered_layout((items, per_round, 4), order=(2, 1, 0)), Float32)
         lses = cute.make_rmem_tensor(cute.make_ordered_layout((items, per_round), order=(1, 0)), Float32)
         out = cute.make_rmem_tensor((4,), self.q_dtype)
-        for first_item in cutlass.range_constexpr(0, self.rows * self.head_dim // 4 // self.num_threads, items):
-            o.fill(0.0)
+        o.fill(0.0)
+        for k in cutlass.range_constexpr(items):
+            state[k, 0] = -Float32.inf
+            state[k, 1] = Float32(0.0)
+        for round_first in cutlass.range(0, count, per_round, unroll=1):
             for k in cutlass.range_constexpr(items):
-                state[k, 0] = -Float32.inf
-                state[k, 1] = Float32(0.0)
-            for round_first in cutlass.range(0, count, per_round, unroll=1):
-                for k in cutlass.range_constexpr(items):
-                    h, quad, _ = self.combine_item(first_item + k, heads_here)
-                    for j in cutlass.range_constexpr(per_round):
-                        # Past the last slot: reload it and fold it in with LSE -inf, which adds nothing.
-                        s = first + cutlass.min(round_first + j, count - 1)
-                        cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,), (quad,)),
-                                          parts[k, j, None])
-                        lses[k, j] = Float32(cutlass.select_(round_first + j < count,
-                                                             mPartLSE[batch, first_head + h, s], -Float32.inf))
-                for k in cutlass.range_constexpr(items):
-                    for j in cutlass.range_constexpr(per_round):
-                        fold_in_split(lses[k, j], parts[k, j, None], state[k, None], o[k, None])
+                h, quad, _ = self.combine_item(first_item + k, heads_here)
+                for j in cutlass.range_constexpr(per_round):
+                    # Past the last slot: reload it and fold it in with LSE -inf, which adds nothing.
+                    s = first + cutlass.min(round_first + j, count - 1)
+                    cute.autovec_copy(cute.local_tile(mPartO[batch, first_head + h, s, None], (4,), (quad,)),
+                                      parts[k, j, None])
+                    lses[k, j] = Float32(cutlass.select_(round_first + j < count,
+                                                         mPartLSE[batch, first_head + h, s], -Float32.inf))
             for k in cutlass.range_constexpr(items):
-                h, quad, real = self.combine_item(first_item + k, heads_here)
-                head = first_head + h
-                if cutlass.const_expr(final):
-                    sink_log2 = Float32(0.0)
-                    if cutlass.const_expr(self.has_sink):
-                        sink_log2 = mSink[head] * LOG2_E
-                    lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
-                    if real:
-                        for i in cutlass.range_constexpr(4):
-                            out[i] = o[k, i].to(self.q_dtype)
-                        cute.autovec_copy(out, cute.local_tile(mO[batch, head, None], (4,), (quad,)))
-                        if cutlass.const_expr(self.write_lse):
-                            if quad == 0:
-                                mLSE[batch, head] = lse * LN_2  # natural log, as the API returns it
-                else:
-                    lse = finish_combine(state[k, None], o[k, None], Float32(0.0), False)
-                    if real:
-                        cute.autovec_copy(o[k, None], cute.local_tile(mPartO[batch, head, slot, None], (4,), (quad,)))
+                for j in cutlass.range_constexpr(per_round):
+                    fold_in_split(lses[k, j], parts[k, j, None], state[k, None], o[k, None])
+        for k in cutlass.range_constexpr(items):
+            h, quad, real = self.combine_item(first_item + k, heads_here)
+            head = first_head + h
+            if cutlass.const_expr(final):
+                sink_log2 = Float32(0.0)
+                if cutlass.const_expr(self.has_sink):
+                    sink_log2 = mSink[head] * LOG2_E
+                lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
+                if real:
+                    for i in cutlass.range_constexpr(4):
+                        out[i] = o[k, i].to(self.q_dtype)
+                    cute.autovec_copy(out, cute.local_tile(mO[batch, head, None], (4,), (quad,)))
+                    if cutlass.const_expr(self.write_lse):
                         if quad == 0:
-                            mPartLSE[batch, head, slot] = lse
+                            mLSE[batch, head] = lse * LN_2  # natural log, as the API returns it
+            else:
+                lse = finish_combine(state[k, None], o[k, None], Float32(0.0), False)
+                if real:
+                    cute.autovec_copy(o[k, None], cute.local_tile(mPartO[batch, head, slot, None], (4,), (quad,)))
+                    if quad == 0:
+                        mPartLSE[batch, head, slot] = lse
     # --8<-- [end:combine_partials]
 
     @cute.kernel
