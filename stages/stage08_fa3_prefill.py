@@ -32,8 +32,10 @@ a compile-time level (``Step``) so that the benchmark measures each one:
    longest first.
 
 Every feature of stage 6 is kept (masks with tile skipping, both kinds of
-sink, LSE, GQA, fp16/bf16, D = 64 and 128, any lengths), and
-``merge_attention_states`` is stage 6's, unchanged.
+sink, LSE, GQA, fp16/bf16, any lengths), and ``merge_attention_states`` is
+stage 6's, unchanged. The head dims grow to those models use: 64, 96, 128,
+192, 256 and (192, 128) for (Q and K, V); ``TILES`` picks the KV tile of
+each, as wide as shared memory allows.
 
 Run it:
     python -m course check 8 --impl solutions    # this stage's tests
@@ -43,6 +45,7 @@ Run it:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import IntEnum
 
 import cutlass
@@ -58,15 +61,41 @@ from course.runtime import launch, prefill
 from .stage06_lse import MERGE_CONFIGS, cross_compile_merge, merge_attention_states  # noqa: F401 (stage 6's merge)
 
 STAGE = 8
-TILE_N = 128  # keys per KV tile
 KV_STAGES = 2  # buffers in each of the K and V rings
-# MMA warpgroups (64 query rows each) by head dim. At D = 64 a tile's two GEMMs take half as long
-# as at D = 128 while its softmax takes as long, so one warpgroup's softmax outlasts the other's
-# GEMMs; FA3 and FA4 use a third warpgroup there (192-row tiles). With 512 threads ptxas has 128
-# registers per thread, and this kernel (persistent loop, masks, sinks) then spills.
-MMA_WARPGROUPS = {64: 2, 128: 2}
+SMEM_BYTES = 227 * 1024  # the most shared memory one CTA may have on an H100
+
+
+# --8<-- [start:tiles]
+@dataclass(frozen=True)
+class Tiles:
+    """How this stage tiles one (D_qk, D_v): the MMA warpgroups (64 query rows each) and the keys per KV tile."""
+
+    mma_warpgroups: int
+    tile_n: int
+
+
+# By head dims (D_qk, D_v). Shared memory decides tile_n: Q, the K and V rings and the O buffers must fit
+# (shared_bytes), so the wider the rows, the fewer keys per tile. Two warpgroups everywhere: at D = 64 a
+# third (FA3's 192-row tiles) would leave 128 registers per thread, and this kernel then spills.
+TILES = {
+    (64, 64): Tiles(2, 128),
+    (96, 96): Tiles(2, 128),
+    (128, 128): Tiles(2, 128),
+    (192, 128): Tiles(2, 112),
+    (192, 192): Tiles(2, 80),
+    (256, 256): Tiles(2, 48),
+}
+HEAD_DIMS = tuple(TILES)
 # setmaxnreg per warpgroup count: 128 * producer + 128 * warpgroups * mma <= 64K registers.
 REGISTERS = {2: (24, 240)}  # (producer, MMA)
+
+
+def shared_bytes(head_dim: int, head_dim_v: int, tiles: Tiles, dtype_bytes: int = 2) -> int:
+    """The kernel's buffers: the Q tile, KV_STAGES K and V tiles, and one 64-row O buffer per MMA warpgroup."""
+    tile_m = 64 * tiles.mma_warpgroups
+    elements = tile_m * head_dim + KV_STAGES * tiles.tile_n * (head_dim + head_dim_v) + tile_m * head_dim_v
+    return elements * dtype_bytes
+# --8<-- [end:tiles]
 SCHEDULER_THREADS = 256  # a ping-pong barrier: the MMA warpgroup that waits and the one that passes
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -179,8 +208,9 @@ class WindowMask:
     compiled out through ``has_left`` / ``has_right``.
     """
 
-    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, tile_m: int):
+    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, tile_m: int, tile_n: int):
         self.tile_m = tile_m  # query rows per tile (64 per MMA warpgroup)
+        self.tile_n = tile_n  # keys per KV tile (TILES)
         self.row0 = m_block * tile_m
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.offset = seqlen_k - seqlen_q
@@ -199,15 +229,15 @@ class WindowMask:
         #   n_block_min <= n_block_max (an empty range is fine), and an unbounded side compiles to
         #   no code. Int32 division truncates toward zero.
         #   (stage 4 page: Skipping tiles: the block range)
-        n_block_max = (self.seqlen_k + TILE_N - 1) // TILE_N
+        n_block_max = (self.seqlen_k + self.tile_n - 1) // self.tile_n
         n_block_min = cutlass.Int32(0)
         if cutlass.const_expr(self.has_right):
             last_row = cutlass.min(self.row0 + self.tile_m, self.seqlen_q) - 1
             key_end = cutlass.max(cutlass.min(last_row + self.offset + self.right + 1, self.seqlen_k), 0)
-            n_block_max = (key_end + TILE_N - 1) // TILE_N
+            n_block_max = (key_end + self.tile_n - 1) // self.tile_n
         if cutlass.const_expr(self.has_left):
             key_start = cutlass.max(self.row0 + self.offset - self.left, 0)
-            n_block_min = cutlass.min(key_start // TILE_N, n_block_max)
+            n_block_min = cutlass.min(key_start // self.tile_n, n_block_max)
         # [/exercise]
         return n_block_min, n_block_max
 
@@ -220,7 +250,7 @@ class WindowMask:
             #   num_sink_tokens) and lie below n_block_min: the tiles the loop visits before the
             #   window's range. A tile already in the range must not be visited twice.
             #   (stage 5 page: Sink tokens: visible despite the window)
-            count = cutlass.min((self.num_sink_tokens + TILE_N - 1) // TILE_N, n_block_min)
+            count = cutlass.min((self.num_sink_tokens + self.tile_n - 1) // self.tile_n, n_block_min)
             # [/exercise]
         return count
 
@@ -243,11 +273,11 @@ class WindowMask:
     @cute.jit
     def tile_is_partial(self, n_block: cutlass.Int32):
         """Does KV tile ``n_block`` hold a masked key for some row? Full tiles skip the mask."""
-        partial = (n_block + 1) * TILE_N > self.seqlen_k
+        partial = (n_block + 1) * self.tile_n > self.seqlen_k
         if cutlass.const_expr(self.has_right):
-            partial = partial | ((n_block + 1) * TILE_N - 1 > self.row0 + self.offset + self.right)
+            partial = partial | ((n_block + 1) * self.tile_n - 1 > self.row0 + self.offset + self.right)
         if cutlass.const_expr(self.has_left):
-            partial = partial | (n_block * TILE_N < self.row0 + self.tile_m - 1 + self.offset - self.left)
+            partial = partial | (n_block * self.tile_n < self.row0 + self.tile_m - 1 + self.offset - self.left)
         return partial
 
     @cute.jit
@@ -261,12 +291,12 @@ class WindowMask:
         WGMMAs at the branch's end; `course sass 8` shows what it makes of the loop).
         """
         lo = n_block_min
-        hi = cutlass.min(n_block_max, self.seqlen_k // TILE_N)
+        hi = cutlass.min(n_block_max, self.seqlen_k // self.tile_n)
         if cutlass.const_expr(self.has_right):
-            hi = cutlass.min(hi, cutlass.max(self.row0 + self.offset + self.right + 1, 0) // TILE_N)
+            hi = cutlass.min(hi, cutlass.max(self.row0 + self.offset + self.right + 1, 0) // self.tile_n)
         if cutlass.const_expr(self.has_left):
             first_key = cutlass.max(self.row0 + self.tile_m - 1 + self.offset - self.left, 0)  # the last row's
-            lo = cutlass.max(lo, (first_key + TILE_N - 1) // TILE_N)
+            lo = cutlass.max(lo, (first_key + self.tile_n - 1) // self.tile_n)
         lo = cutlass.min(lo, n_block_max)
         hi = cutlass.max(hi, lo)
         return n_block_max - hi, n_block_max - lo  # step i visits tile n_block_max - 1 - i
@@ -289,7 +319,7 @@ class WindowMask:
         """Set S to -inf outside each row's visible keys, from every register's (row, col)."""
         s = rows_cols_view(acc_S)
         coord = rows_cols_view(tScS)
-        key0 = n_block * TILE_N
+        key0 = n_block * self.tile_n
         # [exercise 4] Every s[r, c] whose key its row may not see (outside the row's window, or
         #   at or past S_k: the rule of The semantics) becomes -inf; visible scores stay as they
         #   are. coord gives each register's (row, col) inside this Q tile and KV tile, not in the
@@ -618,7 +648,7 @@ def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
     """O[r, :] *= row_scale[r]: the correction of the softmax step, applied after the P V wait."""
     o = rows_cols_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+        for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):  # up to 64 columns (D_v = 256)
             o[r, c] *= row_scale[r]
 # --8<-- [end:softmax_step]
 
@@ -653,7 +683,7 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         #   (page: The LSE is already in the kernel)
         lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2
         # [/exercise]
-        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+        for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
             o[r, c] *= inv_sum
 
 
@@ -694,13 +724,13 @@ class TileScheduler:
       long tiles of every round finish last.
     """
 
-    def __init__(self, seqlen_q, num_heads, num_batch, seqlen_k, head_dim: int, dtype_bytes: int,
-                 linear: bool, longest_first: bool, l2_bytes: int, tile_m: int):
+    def __init__(self, seqlen_q, num_heads, num_batch, seqlen_k, kv_tile_bytes: int, linear: bool,
+                 longest_first: bool, l2_bytes: int, tile_m: int, tile_n: int):
         self.num_m_blocks = (seqlen_q + tile_m - 1) // tile_m
         self.num_heads, self.num_batch = num_heads, num_batch
         self.num_pairs = num_heads * num_batch
-        self.kv_blocks = (seqlen_k + TILE_N - 1) // TILE_N
-        self.l2_kv_blocks = l2_bytes // (2 * TILE_N * head_dim * dtype_bytes)  # K and V tiles that fit in L2
+        self.kv_blocks = (seqlen_k + tile_n - 1) // tile_n
+        self.l2_kv_blocks = l2_bytes // kv_tile_bytes  # KV tiles (a K and a V tile each) that fit in L2
         self.linear, self.longest_first = linear, longest_first  # the linear order of Step.PERSISTENT
         self.persistent = linear and not longest_first  # CTAs loop over tiles; else one CTA per tile
 
@@ -820,8 +850,10 @@ class Attention:
     def __init__(self, config: prefill.KernelConfig):
         self.config = config  # what this kernel is compiled for: a feature that is off compiles out
         self.dtype = config.cute_dtype
-        self.head_dim = config.head_dim
-        self.num_wgs = MMA_WARPGROUPS[config.head_dim]  # MMA warpgroups: 64 query rows each
+        self.head_dim, self.head_dim_v = config.head_dim, config.dv
+        tiles = TILES[self.head_dim, self.head_dim_v]
+        self.num_wgs = tiles.mma_warpgroups  # MMA warpgroups: 64 query rows each
+        self.tile_n = tiles.tile_n
         self.tile_m = 64 * self.num_wgs
         self.mma_threads = 128 * self.num_wgs
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then MMA warpgroups 0, 1, ...
@@ -844,36 +876,36 @@ class Attention:
         write_lse: cutlass.Int32,
         stream,
     ):
-        dtype, d = self.dtype, self.head_dim
+        dtype, d, dv, n = self.dtype, self.head_dim, self.head_dim_v, self.tile_n
         mQ, mK, mO = bshd_as_rows_dim(mQ), bshd_as_rows_dim(mK), bshd_as_rows_dim(mO)
         mV = bshd_as_dim_rows(mV)
 
         # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
-            cutlass.Float32, (self.num_wgs, 1, 1), (64, TILE_N),
+            cutlass.Float32, (self.num_wgs, 1, 1), (64, n),
         )
         # O = P V: P from registers (K-major), V MN-major (head_dim contiguous).
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
-            cutlass.Float32, (self.num_wgs, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
+            cutlass.Float32, (self.num_wgs, 1, 1), (64, dv), warpgroup.OperandSource.RMEM,
         )
         # One warpgroup's share of P V: how its threads hold their 64 rows of O (for the epilogue).
         pv_mma_wg = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (64, d), warpgroup.OperandSource.RMEM,
+            cutlass.Float32, (1, 1, 1), (64, dv), warpgroup.OperandSource.RMEM,
         )
 
         one_stage = (None, None, 0)
         sQ_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, TILE_N, d), dtype, 1), one_stage
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, n, d), dtype, 1), one_stage
         )
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, TILE_N, d), dtype, KV_STAGES)
-        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.tile_m, d, TILE_N), dtype, KV_STAGES)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, n, d), dtype, KV_STAGES)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.tile_m, dv, n), dtype, KV_STAGES)
         # O gets buffers of its own, so that the producer may load the next tile's Q meanwhile:
         # with Step.EPILOGUE one of 64 rows per warpgroup, else one for the whole tile.
         o_rows, o_buffers = (64, self.num_wgs) if self.steps >= Step.EPILOGUE else (self.tile_m, 1)
-        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (o_rows, TILE_N, d), dtype, o_buffers)
+        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (o_rows, n, dv), dtype, o_buffers)
 
         @cute.struct
         class SharedStorage:
@@ -889,12 +921,13 @@ class Attention:
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage), (TILE_N, d))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, one_stage), (d, TILE_N))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage), (n, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, one_stage), (dv, n))
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
-                                                    cute.slice_(sO_layout, one_stage), (o_rows, d))
+                                                    cute.slice_(sO_layout, one_stage), (o_rows, dv))
         self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
-        self.kv_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, one_stage))  # one K or V tile
+        self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, one_stage))  # one K tile
+        self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, one_stage))  # one V tile
 
         scheduler = self.scheduler(mQ, mK)
         self.kernel(
@@ -904,9 +937,10 @@ class Attention:
         ).launch(grid=scheduler.grid(launch.sm_count()), block=[self.num_threads, 1, 1], stream=stream)
 
     def scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
-        return TileScheduler(mQ.shape[0], mQ.shape[2], mQ.shape[3], mK.shape[0], self.head_dim,
-                             self.dtype.width // 8, self.steps >= Step.PERSISTENT, self.config.has_right, self.l2_bytes,
-                             self.tile_m)
+        kv_tile_bytes = self.tile_n * (self.head_dim + self.head_dim_v) * self.dtype.width // 8
+        return TileScheduler(mQ.shape[0], mQ.shape[2], mQ.shape[3], mK.shape[0], kv_tile_bytes,
+                             self.steps >= Step.PERSISTENT, self.config.has_right, self.l2_bytes, self.tile_m,
+                             self.tile_n)
 
     @cute.kernel
     def kernel(
@@ -957,11 +991,11 @@ class Attention:
         )
         pipeline_k = pipeline.PipelineTmaAsync.create(
             num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
-            tx_count=self.kv_bytes, barrier_storage=storage.k_bars.data_ptr(), defer_sync=True,
+            tx_count=self.k_bytes, barrier_storage=storage.k_bars.data_ptr(), defer_sync=True,
         )
         pipeline_v = pipeline.PipelineTmaAsync.create(
             num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
-            tx_count=self.kv_bytes, barrier_storage=storage.v_bars.data_ptr(), defer_sync=True,
+            tx_count=self.v_bytes, barrier_storage=storage.v_bars.data_ptr(), defer_sync=True,
         )
         # --8<-- [end:pipelines]
         if warp_idx == 0:
@@ -972,16 +1006,17 @@ class Attention:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialized before anyone uses one
 
-        scheduler = self.scheduler(mQ, mK)
+        # Each role builds its scheduler after changing its register count: values computed before the
+        # change and used after it may be spilled to local memory.
         if warpgroup_idx > 0:
             cute.arch.setmaxregister_increase(REGISTERS[self.num_wgs][1])
-            self.mma(scheduler, qk_mma, pv_mma, pv_mma_wg, tma_o, mQ, mK, mO, mLSE, mSinks, sQ, sK, sV, sO,
+            self.mma(self.scheduler(mQ, mK), qk_mma, pv_mma, pv_mma_wg, tma_o, mQ, mK, mO, mLSE, mSinks, sQ, sK, sV, sO,
                      pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left, window_right, num_sink_tokens,
                      write_lse)
         else:
             cute.arch.setmaxregister_decrease(REGISTERS[self.num_wgs][0])
             if warp_idx == 0:
-                self.load(scheduler, tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipeline_q, pipeline_k,
+                self.load(self.scheduler(mQ, mK), tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipeline_q, pipeline_k,
                           pipeline_v, window_left, window_right, num_sink_tokens)
 
     # --8<-- [start:producer]
@@ -991,7 +1026,7 @@ class Attention:
              sV: cute.Tensor, pipeline_q, pipeline_k, pipeline_v, window_left: cutlass.Int32,
              window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32):
         """The producer warp: Q, K and V of every tile of this CTA, in the order the consumers use them."""
-        d = self.head_dim
+        d, dv, n = self.head_dim, self.head_dim_v, self.tile_n
         one_cta = cute.make_layout(1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
@@ -1002,15 +1037,15 @@ class Attention:
         for tile in cutlass.range(first, end, step, unroll=1):
             m_block, head, batch = coords(tile, group)
             mask = WindowMask(m_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
-                              self.config, self.tile_m)
+                              self.config, self.tile_m, self.tile_n)
             n_block_min, n_block_max = mask.kv_block_range()
             n_sink_blocks = mask.sink_block_count(n_block_min)  # sink tiles below the window's range
             n_tiles = n_sink_blocks + n_block_max - n_block_min  # producer and consumers walk the same tiles
             kv_block = mask.kv_block
             head_kv = head // (mQ.shape[2] // mK.shape[2])  # GQA/MQA
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (None, 0))  # (TILE_N, d, n_blocks)
-            gV = cute.local_tile(mV[None, None, head_kv, batch], (d, TILE_N), (0, None))  # (d, TILE_N, n_blocks)
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (n, d), (None, 0))  # (tile_n, d, n_blocks)
+            gV = cute.local_tile(mV[None, None, head_kv, batch], (dv, n), (0, None))  # (d_v, tile_n, n_blocks)
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
             tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2),
@@ -1056,7 +1091,7 @@ class Attention:
             pipeline_q, pipeline_k, pipeline_v, scale_log2: cutlass.Float32, window_left: cutlass.Int32,
             window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, write_lse: cutlass.Int32):
         """An MMA warpgroup: 64 rows of every tile of this CTA."""
-        d = self.head_dim
+        dv = self.head_dim_v
         tidx, _, _ = cute.arch.thread_idx()
         mma_tidx = tidx - 128
         mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
@@ -1064,11 +1099,11 @@ class Attention:
         thr_qk = qk_mma.get_slice(mma_tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, N, K, KV_STAGES)
-        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, TILE_N)))
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, TILE_N)))
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         thr_pv = pv_mma.get_slice(mma_tidx)
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, N, K, KV_STAGES)
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, d)))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, dv)))
         # P lives here from its softmax to its P V, which may be one iteration later (Step.OVERLAP).
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         tOrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
@@ -1088,7 +1123,7 @@ class Attention:
         for tile in cutlass.range(first, end, step, unroll=1):
             m_block, head, batch = coords(tile, group)
             mask = WindowMask(m_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
-                              self.config, self.tile_m)
+                              self.config, self.tile_m, self.tile_n)
             n_block_min, n_block_max = mask.kv_block_range()
             n_sink_blocks = mask.sink_block_count(n_block_min)
             n_tiles = n_sink_blocks + n_block_max - n_block_min
@@ -1117,10 +1152,10 @@ class Attention:
             if write_lse != 0:  # a runtime choice: one uniform branch at the end of the tile
                 store_lse(lse, mLSE, tScS, m_block * self.tile_m, mQ.shape[0], head, batch, mma_tidx)
             if cutlass.const_expr(self.steps >= Step.EPILOGUE):
-                gO = cute.local_tile(mO[None, None, head, batch], (64, d), (m_block * self.num_wgs + mma_wg, 0))
+                gO = cute.local_tile(mO[None, None, head, batch], (64, dv), (m_block * self.num_wgs + mma_wg, 0))
                 store_o_rows(acc_O, sO[None, None, mma_wg], tma_o, gO, pv_mma_wg, mma_wg, wg_tidx, self.dtype)
             else:
-                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, d), (m_block, 0))
+                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, dv), (m_block, 0))
                 store_o_tile(acc_O, sO[None, None, 0], tma_o, gO, pv_mma, mma_tidx, self.dtype, self.mma_threads)
         if cutlass.const_expr(self.steps >= Step.EPILOGUE):
             if wg_tidx == 0:

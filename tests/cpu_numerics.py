@@ -193,17 +193,23 @@ def compile_on_cpu(host_fn, static: tuple, args: tuple) -> CpuFunction:
 
 # ---------------------------------------------------------------- prefill: masks and tile ranges (stages 4+)
 
-def qk_tiled_mma(module):
+def kv_tile_keys(module) -> int:
+    """The keys of a KV tile: the stage's TILE_N; from stage 8 on, per head dim (TILES), 128 at D = 128."""
+    return module.TILES[128, 128].tile_n if module.STAGE >= 8 else module.TILE_N
+
+
+def qk_tiled_mma(module, tile_n: int):
     """S = Q K^T partitioned as the kernel does it (qk_mma in Attention.__call__): the (row, key) of each register."""
     return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K, OperandMajorMode.K,
-                                             Float32, (2, 1, 1), (64, module.TILE_N))
+                                             Float32, (2, 1, 1), (64, tile_n))
 
 
-def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens):
+def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, tile_n: int):
     """The stage's WindowMask of Q tile ``m_block``; num_sink_tokens is one of its arguments from stage 5 on,
-    the Q tile's rows from stage 8 on (two MMA warpgroups: 128)."""
+    the Q tile's rows (two MMA warpgroups: 128) and keys from stage 8 on."""
     if module.STAGE >= 8:
-        return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS)
+        return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS,
+                                 tile_n)
     if module.STAGE >= 5:
         return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
     return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, config)
@@ -211,7 +217,7 @@ def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_si
 
 @cute.jit
 def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: cutlass.Constexpr,
-                scores: cute.Tensor, tiles: cute.Tensor, visits: cute.Tensor, m_block: Int32, seqlen_q: Int32,
+                tile_n: cutlass.Constexpr, scores: cute.Tensor, tiles: cute.Tensor, visits: cute.Tensor, m_block: Int32, seqlen_q: Int32,
                 seqlen_k: Int32, left: Int32, right: Int32, num_sink_tokens: Int32):
     """WindowMask of Q tile ``m_block`` on every register of every consumer thread, for each KV tile.
 
@@ -220,8 +226,8 @@ def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: 
     and from stage 8 on the loop's [first, end) of unmasked steps (``unmasked_steps``); ``visits``
     [2, n_blocks] gets, per step, its KV tile (``kv_block``), and per KV tile ``tile_is_partial``.
     """
-    qk_mma = qk_tiled_mma(module)
-    mask = window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens)
+    qk_mma = qk_tiled_mma(module, tile_n)
+    mask = window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, tile_n)
     n_block_min, n_block_max = mask.kv_block_range()
     tiles[0] = n_block_min
     tiles[1] = n_block_max
@@ -240,13 +246,13 @@ def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: 
     for n_block in range(n_blocks):
         for thread in range(MMA_THREADS):
             thr = qk_mma.get_slice(thread)
-            acc_S = thr.make_fragment_C(thr.partition_shape_C((Q_TILE_ROWS, module.TILE_N)))
-            tScS = thr.partition_C(cute.make_identity_tensor((Q_TILE_ROWS, module.TILE_N)))
+            acc_S = thr.make_fragment_C(thr.partition_shape_C((Q_TILE_ROWS, tile_n)))
+            tScS = thr.partition_C(cute.make_identity_tensor((Q_TILE_ROWS, tile_n)))
             acc_S.fill(0.0)
             apply(acc_S, tScS, n_block)
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                 row, key = tScS[i]
-                scores[row, n_block * module.TILE_N + key] = acc_S[i]
+                scores[row, n_block * tile_n + key] = acc_S[i]
 
 
 # ---------------------------------------------------------------- prefill: each thread's softmax path (stages 1-6)
@@ -347,7 +353,7 @@ def attend_two_rows(module: cutlass.Constexpr, n_tiles: cutlass.Constexpr,
 @cute.jit
 def store_lse_of_q_tile(module: cutlass.Constexpr, mLSE: cute.Tensor, m_block: Int32, seqlen_q: Int32):
     """Every consumer thread calls store_lse with its rows' LSE set to row + 0.5, into mLSE [1, 1, S_q]."""
-    qk_mma = qk_tiled_mma(module)
+    qk_mma = qk_tiled_mma(module, module.TILE_N)
     row0 = m_block * module.TILE_M
     rows_cols_view, store_lse = module.rows_cols_view, module.store_lse  # (not the module object: see fold_keys)
     for thread in range(MMA_THREADS):
@@ -452,14 +458,13 @@ def elect_last(module: cutlass.Constexpr, counter: cute.Tensor, flag: cute.Tenso
 # ---------------------------------------------------------------- prefill: the tile scheduler (stage 8)
 
 @cute.jit
-def schedule_tiles(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, dtype_bytes: cutlass.Constexpr,
-                   longest_first: cutlass.Constexpr, l2_bytes: cutlass.Constexpr, tile_m: cutlass.Constexpr,
-                   seqlen_q: Int32, num_heads: Int32, num_batch: Int32, seqlen_k: Int32,
+def schedule_tiles(module: cutlass.Constexpr, kv_tile_bytes: cutlass.Constexpr, longest_first: cutlass.Constexpr,
+                   l2_bytes: cutlass.Constexpr, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr, seqlen_q: Int32, num_heads: Int32, num_batch: Int32, seqlen_k: Int32,
                    coords: cute.Tensor, group: cute.Tensor):
     """``coords`` [tiles, 3]: the (m_block, head, batch) of every linear tile index, as the persistent
     scheduler of Step.PERSISTENT maps it; ``group`` [1]: its l2_group()."""
-    scheduler = module.TileScheduler(seqlen_q, num_heads, num_batch, seqlen_k, head_dim, dtype_bytes, True,
-                                     longest_first, l2_bytes, tile_m)
+    scheduler = module.TileScheduler(seqlen_q, num_heads, num_batch, seqlen_k, kv_tile_bytes, True, longest_first,
+                                     l2_bytes, tile_m, tile_n)
     pairs = scheduler.l2_group()
     group[0] = pairs
     tile_coords = scheduler.coords  # (as in the kernel: a runtime loop may not carry the scheduler object)
@@ -480,7 +485,7 @@ def mask_description(features: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in features.items()) or "no mask"
 
 
-def check_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
+def check_masks(module, features: dict, lengths: list[tuple[int, int]], tile_n: int | None = None) -> None:
     """WindowMask.kv_block_range (and sink_block_count) and apply, for every Q tile, against reference.visible_keys.
 
     ``features``: causal, window_size and num_sink_tokens as the API takes them. ``apply`` must
@@ -491,7 +496,7 @@ def check_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
     left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
     sinks = features.get("num_sink_tokens", 0)
     config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = Q_TILE_ROWS, module.TILE_N
+    tile_m, tile_n = Q_TILE_ROWS, tile_n or kv_tile_keys(module)
     n_blocks = max(_tiles(s_k, tile_n) for _, s_k in lengths)
     scores = torch.zeros(tile_m, n_blocks * tile_n)
     tiles = torch.zeros(5, dtype=torch.int32)
@@ -502,9 +507,10 @@ def check_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
             scores.zero_()
             tiles.zero_()
             args = (scores, tiles, visits, m_block, s_q, s_k, left, right, sinks)
-            compile_on_cpu(mask_q_tile, (module, config, n_blocks), args)(*args)
+            compile_on_cpu(mask_q_tile, (module, config, n_blocks, tile_n), args)(*args)
             rows = visible[m_block * tile_m:(m_block + 1) * tile_m]
-            where = f"{mask_description(features)}, S_q={s_q}, S_k={s_k}, Q tile {m_block}"
+            where = f"{mask_description(features)}, S_q={s_q}, S_k={s_k}, Q tile {m_block} of {tile_m} rows, " \
+                    f"KV tiles of {tile_n} keys"
             _assert_masked_exactly(scores[:len(rows)] == 0, rows, m_block * tile_m, where)
             _assert_visits_exactly(tiles.tolist()[:3], rows, n_blocks, tile_n, where)
             if module.STAGE >= 8:
@@ -818,15 +824,16 @@ def check_schedule(module, *, seqlen_q: int, num_heads: int, num_batch: int, seq
                    dtype_bytes: int, longest_first: bool, l2_bytes: int) -> None:
     """TileScheduler.l2_group and coords: every (Q tile, head, batch) exactly once, in the grouped order."""
     tile_m = 128  # two MMA warpgroups of 64 rows
+    tile_n = module.TILES[head_dim, head_dim].tile_n
     group_ref, order_ref = expected_schedule(seqlen_q, num_heads, num_batch, seqlen_k, head_dim, dtype_bytes,
-                                             longest_first, l2_bytes, tile_m, module.TILE_N)
+                                             longest_first, l2_bytes, tile_m, tile_n)
     coords = torch.full((len(order_ref), 3), -1, dtype=torch.int32)
     group = torch.full((1,), -1, dtype=torch.int32)
-    static = (module, head_dim, dtype_bytes, longest_first, l2_bytes, tile_m)
+    static = (module, 2 * tile_n * head_dim * dtype_bytes, longest_first, l2_bytes, tile_m, tile_n)
     args = (seqlen_q, num_heads, num_batch, seqlen_k, coords, group)
     compile_on_cpu(schedule_tiles, static, args)(*args)
     where = (f"TileScheduler, {_tiles(seqlen_q, tile_m)} Q tiles x {num_heads} heads x {num_batch} batch, "
-             f"{_tiles(seqlen_k, module.TILE_N)} KV tiles of {head_dim}-wide {8 * dtype_bytes}-bit K and V, "
+             f"{_tiles(seqlen_k, tile_n)} KV tiles of {head_dim}-wide {8 * dtype_bytes}-bit K and V, "
              f"L2 budget {l2_bytes >> 20} MiB" + (", longest first" if longest_first else ""))
     if group.item() != group_ref:
         raise AssertionError(f"{where}: l2_group() is {group.item()}, expected {group_ref}: the largest power of two "

@@ -45,7 +45,7 @@ def cpu_qkv(s_q=16, s_k=16, h_q=4, h_kv=4, d=64, dtype=torch.float16, b=1):
     (lambda: tuple(t.float() for t in cpu_qkv()), TypeError, "float16"),
     (lambda: (cpu_qkv()[0][0], cpu_qkv()[1], cpu_qkv()[2]), ValueError, "rank"),
     (lambda: cpu_qkv(h_q=6, h_kv=4), ValueError, "multiple of H_kv"),
-    (lambda: cpu_qkv(d=96), ValueError, "head_dim 96"),
+    (lambda: cpu_qkv(d=72), ValueError, "head_dim 72 is not supported"),
     (lambda: cpu_qkv(s_k=0), ValueError, "empty"),
     (lambda: (cpu_qkv()[0], cpu_qkv(d=128)[1][..., ::2], cpu_qkv()[2]), ValueError, "contiguous"),
     (lambda: (cpu_qkv()[0], cpu_qkv()[1], cpu_qkv(s_k=8)[2]), ValueError, "must match"),
@@ -60,7 +60,7 @@ def test_bad_input_is_rejected_before_launch(stage, make, error, message):
 FEATURES = {  # feature: (the inputs' sizes, the keyword arguments) of a call that uses it
     "causal": ({}, {"causal": True}), "window_size": ({}, {"window_size": (16, 0)}),
     "sink_logits": ({}, {"sink_logits": torch.zeros(4)}), "num_sink_tokens": ({}, {"num_sink_tokens": 4}),
-    "return_lse": ({}, {"return_lse": True}), "seqlen_k": ({"s_k": 129}, {}),
+    "return_lse": ({}, {"return_lse": True}), "seqlen_k": ({"s_k": 129}, {}), "head_dim": ({"d": 96}, {}),
 }
 
 

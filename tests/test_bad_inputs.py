@@ -299,7 +299,7 @@ WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 2), (40, 40), (INT32_MAX, INT32_MAX),
 def test_kernel_window_sees_the_same_keys(s_q, s_k, window, num_sink_tokens):
     """The window the kernels get (every value cut to the sequences' lengths, in int32 range)
     makes the same keys visible as the one asked for."""
-    shape = validation.AttentionShape(1, s_q, s_k, 1, 1, 64)
+    shape = validation.AttentionShape(1, s_q, s_k, 1, 1, 64, 64)
     for causal in (False, True):
         left, right, sinks = prefill.kernel_window(causal, window, num_sink_tokens, shape)
         assert max(left, right, sinks) <= max(s_q, s_k)

@@ -294,6 +294,7 @@ def test_troubleshooting_quotes_the_real_input_errors():
         return torch.randn(*shape).to(dtype)
 
     cases = [
+        lambda: module.attention(t(1, 128, 8, 72), t(1, 128, 8, 72), t(1, 128, 8, 72)),
         lambda: module.attention(t(1, 128, 8, 96), t(1, 128, 8, 96), t(1, 128, 8, 96)),
         lambda: module.attention(t(1, 128, 8, 64), t(1, 128, 3, 64), t(1, 128, 3, 64)),
         lambda: module.attention(t(1, 128, 8, 64, dtype=torch.float32), t(1, 128, 8, 64), t(1, 128, 8, 64)),

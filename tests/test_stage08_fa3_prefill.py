@@ -11,7 +11,7 @@ import cpu_sync
 import pytest
 import torch
 
-from course.runtime import prefill, stages
+from course.runtime import prefill, stages, validation
 from course import testing
 from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
 from test_stage04_masking import test_masks_match_reference, test_masks_with_gqa  # noqa: F401
@@ -22,6 +22,7 @@ from test_stage05_sinks import test_extreme_sink_logits, test_only_sink_token_vi
 from test_stage05_sinks import test_sinks_match_reference  # noqa: F401
 from test_stage06_lse import test_lse_matches_reference, test_split_merge_equals_one_call  # noqa: F401
 from test_stage06_lse import test_merge_kernel_matches_pytorch_and_guards  # noqa: F401
+from test_stage06_lse import assert_lse_matches
 
 STAGE = stages.get(8)
 LENGTHS = testing.MULTI_TILE_LENGTHS
@@ -36,6 +37,17 @@ def test_ablation_compiles_each_step(stage):
         config = prefill.KernelConfig("float16", 128, has_right=True)
         report = prefill.cross_compile_config(kernel_class, config, stage=8)
         assert report.spill_bytes in (0, None), f"{label} spills {report.spill_bytes} bytes"
+
+
+def test_tiles_cover_the_contract_and_fit(stage):
+    """TILES has a tiling for each (D, D_v) the contract names from stage 8 on, and its buffers fit in shared memory."""
+    assert tuple(stage.TILES) == validation.HEAD_DIMS_FROM_STAGE_8, (
+        f"TILES covers {list(stage.TILES)}; the contract (validation.HEAD_DIMS_FROM_STAGE_8) names "
+        f"{list(validation.HEAD_DIMS_FROM_STAGE_8)}")
+    for dims, tiles in stage.TILES.items():
+        assert stage.shared_bytes(*dims, tiles) <= stage.SMEM_BYTES, (
+            f"TILES[{dims}] = {tiles} needs {stage.shared_bytes(*dims, tiles)} bytes of shared memory; a CTA may "
+            f"have {stage.SMEM_BYTES}")
 
 
 # ---------------------------------------------------------------- the tile order (CPU)
@@ -70,6 +82,20 @@ def test_on_cpu_window_and_visit_order(stage, name):
     cpu_numerics.check_masks(stage, case, lengths)
 
 
+# KV tiles narrower than the Q tile (the wide head dims): the diagonal crosses several of them, and a Q tile's
+# window edges fall inside tiles at other places.
+NARROW_TILE_MASKS = ["causal", "window-asymmetric", "tokens-swa-far"]
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("name", NARROW_TILE_MASKS)
+@pytest.mark.parametrize("tile_n", sorted({t.tile_n for t in STAGE.load("solutions").TILES.values()} - {128}))
+def test_on_cpu_window_with_narrow_kv_tiles(stage, name, tile_n):
+    """The same checks with the KV tile widths of the head dims above 128 (TILES)."""
+    case, lengths = STAGE8_MASKS[name]
+    cpu_numerics.check_masks(stage, case, lengths, tile_n=tile_n)
+
+
 @pytest.mark.parametrize("overlapped", [True, False], ids=["overlapped-loop", "pingpong-loop"])
 def test_on_cpu_synchronization(stage, overlapped):
     """Your ping-pong and overlapped step, both MMA warpgroups recorded on the CPU and replayed in a model of the
@@ -79,6 +105,36 @@ def test_on_cpu_synchronization(stage, overlapped):
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
+
+HEAD_DIM_FEATURES = {  # every feature's code, at every head dim
+    "none": {},
+    "causal": dict(causal=True),
+    "window-sinks-lse": dict(window_size=(300, 17), num_sink_tokens=5, sinks=True, return_lse=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("features", list(HEAD_DIM_FEATURES))
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dims", list(validation.HEAD_DIMS_FROM_STAGE_8),
+                         ids=[f"d{d}" + (f"v{d_v}" if d_v != d else "") for d, d_v in validation.HEAD_DIMS_FROM_STAGE_8])
+@pytest.mark.parametrize("sizes", [(300, 1000), (1000, 777), (1, 129)], ids=["sq300-sk1000", "sq1000-sk777",
+                                                                              "sq1-sk129"])
+def test_every_head_dim(stage, dims, dtype, features, sizes):
+    """Each (D, D_v) of the contract with GQA, lengths that are not tile multiples, and the masks, sinks and LSE:
+    the tile shapes differ per head dim (TILES), so every head dim runs every feature."""
+    (d, d_v), (s_q, s_k) = dims, sizes
+    q, k, v = testing.random_qkv(2, s_q, s_k, 8, 2, d, dtype, seed=d + d_v + s_q, head_dim_v=d_v)
+    options = dict(HEAD_DIM_FEATURES[features])
+    return_lse = options.pop("return_lse", False)
+    if options.pop("sinks", False):
+        options["sink_logits"] = torch.linspace(-1.0, 2.0, 8, device="cuda")
+    out = torch.full((2, s_q, 8, d_v), float("nan"), device="cuda", dtype=q.dtype)
+    result = stage.attention(q, k, v, out=out, return_lse=return_lse, **options)
+    where = f"stage 8, D={d}, D_v={d_v}, {dtype}, S_q={s_q}, S_k={s_k}, {features}"
+    testing.assert_attention_matches(result[0] if return_lse else result, q, k, v, where=where, **options)
+    if return_lse:
+        assert_lse_matches(result[1], q, k, v, f"{where}: LSE", **options)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("label", ["+pingpong", "+overlap", "+softmax", "+persistent", "+epilogue"])

@@ -147,7 +147,7 @@ _LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, Tensor? sink_logits=Non
 
 def attention(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
               window_size_right=-1, num_sink_tokens=0):
-    """Prefill attention (docs/contract.md) on [B, S, H, D]: O [B, S_q, H_q, D], a new contiguous tensor."""
+    """Prefill attention (docs/contract.md) on [B, S, H, D]: O [B, S_q, H_q, D_v], a new contiguous tensor."""
     return prefill_function()(q, k, v, softmax_scale=softmax_scale, causal=causal,
                               window_size=(window_size_left, window_size_right), sink_logits=sink_logits,
                               num_sink_tokens=num_sink_tokens)
@@ -156,7 +156,7 @@ def attention(q, k, v, sink_logits=None, softmax_scale=None, causal=False, windo
 @torch.library.register_fake("course::attention")
 def _attention_fake(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
                     window_size_right=-1, num_sink_tokens=0):
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 # --8<-- [end:attention_op]
 
 

@@ -56,16 +56,18 @@ def symbolic_tensor(dtype, shape: tuple, *, symbols: dict, align: int = 16, stri
     return make_fake_tensor(cute_dtype(dtype), extents, stride, assumed_align=align)
 
 
-def fake_attention_tensors(dtype, head_dim: int, symbols: dict | None = None):
-    """Fake q, k, v, o ([B, S, H, D]) for compiling an attention kernel once for all shapes.
+def fake_attention_tensors(dtype, head_dim: int, symbols: dict | None = None, head_dim_v: int | None = None):
+    """Fake q, k, v, o ([B, S, H, D]; v and o with ``head_dim_v``, by default ``head_dim``) for compiling
+    an attention kernel once for all shapes.
 
     Pass ``symbols`` to share B, S_q, S_k, H_q, H_kv with further fake tensors.
     """
     symbols = {} if symbols is None else symbols
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     q = symbolic_tensor(dtype, ("B", "S_q", "H_q", head_dim), symbols=symbols)
     k = symbolic_tensor(dtype, ("B", "S_k", "H_kv", head_dim), symbols=symbols)
-    v = symbolic_tensor(dtype, ("B", "S_k", "H_kv", head_dim), symbols=symbols)
-    o = symbolic_tensor(dtype, ("B", "S_q", "H_q", head_dim), symbols=symbols)
+    v = symbolic_tensor(dtype, ("B", "S_k", "H_kv", head_dim_v), symbols=symbols)
+    o = symbolic_tensor(dtype, ("B", "S_q", "H_q", head_dim_v), symbols=symbols)
     return q, k, v, o
 
 

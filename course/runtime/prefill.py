@@ -26,7 +26,7 @@ from course.runtime.compile import (
 
 LOG2_E = math.log2(math.e)
 DTYPES = ("float16", "bfloat16")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # stages 1-7 (and stage 6's merge); stage 8 adds validation.HEAD_DIMS_FROM_STAGE_8
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,12 @@ class KernelConfig:
     has_left: bool = False             # a bounded left window side (stage 4)
     has_right: bool = False            # a bounded right side: causal, or a window's right (stage 4)
     has_sink_tokens: bool = False      # keys exempt from the left bound; only with has_left (stage 5)
+    head_dim_v: int = 0                # V's and O's head dim when it differs from head_dim (stage 8), else 0
+
+    @property
+    def dv(self) -> int:
+        """V's and O's head dim."""
+        return self.head_dim_v or self.head_dim
 
     @property
     def cute_dtype(self):
@@ -54,14 +60,17 @@ class KernelConfig:
 
     @property
     def name(self) -> str:
-        """e.g. ``bfloat16_d128_LRT``: L/R bounded window sides, T sink tokens."""
+        """e.g. ``bfloat16_d128_LRT``: L/R bounded window sides, T sink tokens (``d192v128``: D_v = 128)."""
         flags = (self.has_left, self.has_right, self.has_sink_tokens)
-        return f"{self.dtype}_d{self.head_dim}_" + ("".join(c for c, on in zip("LRT", flags) if on) or "full")
+        dims = f"d{self.head_dim}" + (f"v{self.dv}" if self.dv != self.head_dim else "")
+        return f"{self.dtype}_{dims}_" + ("".join(c for c, on in zip("LRT", flags) if on) or "full")
 
 
 def kernel_configs(stage: int) -> list[KernelConfig]:
     """Every configuration stage ``stage`` compiles: its loop-shaping features (validation.FEATURE_STAGE)
-    on and off. The last one has every such feature of the stage on.
+    on and off, at D = 64 and 128. The head dims stage 8 adds compile with no window and with every
+    feature on, the dtypes alternating: the features' code is the same at every head dim, the tiles
+    are not. The last configuration has every feature of the stage on.
     """
     def added_by(feature: str) -> bool:
         return validation.FEATURE_STAGE[feature][0] <= stage
@@ -69,9 +78,16 @@ def kernel_configs(stage: int) -> list[KernelConfig]:
     either = (False, True)
     sides = either if added_by("window_size") else (False,)
     tokens = either if added_by("num_sink_tokens") else (False,)
-    return [KernelConfig(dtype, d, left, right, with_tokens)
-            for dtype in DTYPES for d in HEAD_DIMS for left in sides for right in sides
-            for with_tokens in (tokens if left else (False,))]
+    configs = [KernelConfig(dtype, d, left, right, with_tokens)
+               for dtype in DTYPES for d in HEAD_DIMS for left in sides for right in sides
+               for with_tokens in (tokens if left else (False,))]
+    if added_by("head_dim"):
+        added = [pair for pair in validation.HEAD_DIMS_FROM_STAGE_8
+                 if pair not in validation.HEAD_DIMS_BEFORE_STAGE_8]
+        every = (True, True, True)
+        configs = [KernelConfig(DTYPES[i % 2], d, *flags, head_dim_v=d_v if d_v != d else 0)
+                   for i, (d, d_v) in enumerate(added) for flags in ((False, False, False), every)] + configs
+    return configs
 
 
 def fake_arguments(config: KernelConfig) -> tuple:
@@ -83,7 +99,7 @@ def fake_arguments(config: KernelConfig) -> tuple:
     import torch
 
     symbols: dict = {}
-    q, k, v, o = fake_attention_tensors(getattr(torch, config.dtype), config.head_dim, symbols)
+    q, k, v, o = fake_attention_tensors(getattr(torch, config.dtype), config.head_dim, symbols, config.dv)
     lse = symbolic_tensor(torch.float32, ("b", "h", "s"), symbols={}, align=4, stride_divisibility=1)
     sinks = symbolic_tensor(torch.float32, ("H_q",), symbols=symbols, align=4, stride_divisibility=1)
     return (q, k, v, o, lse, sinks, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0),
@@ -140,20 +156,22 @@ def plan_attention(stage: int, kernel_class, q, k, v, *, softmax_scale, causal, 
 
     shape = validation.check_attention_inputs(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, sink_logits=sink_logits,
-        num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out, head_dims=HEAD_DIMS,
+        num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out,
     )
     validation.reject_later_features(
         stage, causal=causal, window_size=window_size, sink_logits=sink_logits,
         num_sink_tokens=num_sink_tokens, return_lse=return_lse,
         seqlen_k=shape.seqlen_k, max_seqlen_k=getattr(kernel_class, "max_seqlen_k", None),
+        head_dims=(shape.head_dim, shape.head_dim_v),
     )
     validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits)
     left, right, num_sink_tokens = kernel_window(causal, window_size, num_sink_tokens, shape)
     config = KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
-                          left >= 0 and num_sink_tokens > 0)
+                          left >= 0 and num_sink_tokens > 0, shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0)
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
     device = q.device
     lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
+    out_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
     no_lse = launch.placeholder(device, (1, 1, 1))
     no_sinks = launch.placeholder(device, (shape.heads_q,), fill=float("-inf"))  # a -inf sink is no sink
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
@@ -161,7 +179,7 @@ def plan_attention(stage: int, kernel_class, q, k, v, *, softmax_scale, causal, 
 
     def run(q, k, v, sink_logits, out):
         if out is None:
-            out = q.new_empty(q.shape)
+            out = q.new_empty(out_shape)
         lse = torch.empty(lse_shape, device=device, dtype=torch.float32) if return_lse else no_lse
         kernel(q, k, v, out, lse, no_sinks if sink_logits is None else sink_logits, scale_log2, left, right,
                num_sink_tokens, write_lse)

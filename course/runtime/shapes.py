@@ -25,10 +25,20 @@ class PrefillShape:
     window: tuple = (-1, -1)
     sinks: bool = False  # a sink logit per head (random values)
     lse: bool = False  # also write the per-row LSE
+    head_dim_v: int = 0  # V's and O's head dim when it differs from head_dim (stage 8), else 0
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def dims_label(self) -> str:
+        """``D=128``, or ``D=192/128`` for (D_qk, D_v)."""
+        return f"D={self.head_dim}" + (f"/{self.dv}" if self.dv != self.head_dim else "")
 
     @property
     def label(self) -> str:
-        label = f"B={self.batch} H={self.heads} S_q={self.seqlen_q} S_k={self.seqlen_k} D={self.head_dim} {self.dtype}"
+        label = f"B={self.batch} H={self.heads} S_q={self.seqlen_q} S_k={self.seqlen_k} {self.dims_label} {self.dtype}"
         if self.causal:
             label += " causal"
         if self.window != (-1, -1):
@@ -58,14 +68,14 @@ class PrefillShape:
 
     @property
     def flops(self) -> int:
-        """Two GEMMs of 2*D flops per visible (query, key) pair and head."""
-        return 4 * self.batch * self.heads * self.head_dim * self.visible_pairs
+        """Two GEMMs per visible (query, key) pair and head: 2 * D flops for Q K^T, 2 * D_v for P V."""
+        return 2 * self.batch * self.heads * (self.head_dim + self.dv) * self.visible_pairs
 
     @property
     def bytes_moved(self) -> int:
         """Q, K, V read and O written once: the least any kernel must move."""
-        rows = 2 * self.seqlen_q + 2 * self.seqlen_k
-        return 2 * self.batch * self.heads * rows * self.head_dim
+        elements = (self.seqlen_q + self.seqlen_k) * self.head_dim + (self.seqlen_k + self.seqlen_q) * self.dv
+        return 2 * self.batch * self.heads * elements
 
 
 @dataclass(frozen=True)

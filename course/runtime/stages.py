@@ -74,9 +74,12 @@ LSE = (  # writing the LSE costs one float per row: timed next to the same shape
     PrefillShape(4, 16, 4096, 4096, 128, causal=True, lse=True),
     PrefillShape(4, 16, 4096, 4096, 128, causal=True),
 )
-# Stage 8: the FA3 paper's plots, TFLOP/s against the sequence length at B * S = 16k and H * D = 2048.
-FA3_SWEEP = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, causal=causal)
-                  for d in (128, 64) for causal in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384))
+# Stage 8: the FA3 paper's plots, TFLOP/s against the sequence length at B * S = 16k and H * D = 2048, for
+# every head dim pair (D, D_v) stage 8 takes.
+SWEEP_HEAD_DIMS = ((128, 128), (64, 64), (96, 96), (192, 192), (192, 128), (256, 256))
+FA3_SWEEP = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, causal=causal, head_dim_v=d_v if d_v != d else 0)
+                  for d, d_v in SWEEP_HEAD_DIMS for causal in (False, True)
+                  for s in (512, 1024, 2048, 4096, 8192, 16384))
 FA3_REFERENCE = (  # the shapes of the issue that set stage 8's targets
     PrefillShape(4, 16, 4096, 4096, 128), PrefillShape(4, 16, 4096, 4096, 128, causal=True),
     PrefillShape(2, 16, 8192, 8192, 128, causal=True), PrefillShape(4, 16, 4096, 4096, 64),

@@ -31,7 +31,18 @@ FEATURE_STAGE = {
     "num_sink_tokens": (5, "attention sinks"),
     "return_lse": (6, "per-row LSE"),
     "seqlen_k": (2, "multi-tile TMA loading"),  # more keys than one KV tile holds
+    "head_dim": (8, "FA3-class prefill"),  # head dims other than 64 and 128 (HEAD_DIMS_FROM_STAGE_8)
 }
+# Prefill head dims (D_qk, D_v): stages 1-7 take the first two, stage 8 all of them (its TILES).
+HEAD_DIMS_BEFORE_STAGE_8 = ((64, 64), (128, 128))
+HEAD_DIMS_FROM_STAGE_8 = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+
+
+def describe_head_dims(pairs) -> str:
+    """e.g. "64, 128, or 192 for q and k with 128 for v"."""
+    same = [str(d) for d, d_v in pairs if d == d_v]
+    split = [f"{d} for q and k with {d_v} for v" for d, d_v in pairs if d != d_v]
+    return ", ".join(same) + "".join(f", or {text}" for text in split)
 
 
 def resolve_window(causal: bool, window_size) -> tuple[int, int]:
@@ -53,6 +64,7 @@ class AttentionShape:
     heads_q: int
     heads_kv: int
     head_dim: int
+    head_dim_v: int  # V's and O's head dim: head_dim unless the stage takes a split pair such as (192, 128)
 
 
 def _check_tensor(name: str, t, *, rank: int, layout: str, dtypes=SUPPORTED_DTYPES) -> None:
@@ -98,13 +110,15 @@ def _overlaps_itself(t) -> bool:
     return False
 
 
-def _check_out(out, like, like_name: str, *, layout: str) -> None:
-    """An output buffer: the layout rules of an input, ``like``'s shape and dtype, and no element written twice."""
+def _check_out(out, like, like_name: str, *, layout: str, shape=None) -> None:
+    """An output buffer: the layout rules of an input, ``like``'s dtype, its shape (``shape`` when
+    given, else ``like``'s), and no element written twice."""
     _check_tensor("out", out, rank=like.dim(), layout=layout)
     if out.dtype != like.dtype:
         raise TypeError(f"out has dtype {out.dtype}; expected {like.dtype} like {like_name}")
-    if out.shape != like.shape:
-        raise ValueError(f"out has shape {tuple(out.shape)}; expected {tuple(like.shape)} like {like_name}")
+    expected = tuple(like.shape) if shape is None else tuple(shape)
+    if tuple(out.shape) != expected:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected {expected} like {like_name}")
     if _overlaps_itself(out):
         raise ValueError(f"out has shape {tuple(out.shape)} and strides {out.stride()}: two of its elements share "
                          "one address (a zero stride, as in an expanded view), so the kernel's writes would collide; "
@@ -155,28 +169,33 @@ def _check_sink_logits(sink_logits, heads_q: int) -> None:
 
 
 def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
-                           num_sink_tokens=0, return_lse=False, out=None, head_dims=(64, 128)) -> AttentionShape:
-    """Validate q, k, v ([B, S_q, H_q, D], [B, S_k, H_kv, D]) and the options; return the sizes.
+                           num_sink_tokens=0, return_lse=False, out=None,
+                           head_dims=HEAD_DIMS_FROM_STAGE_8) -> AttentionShape:
+    """Validate q, k, v ([B, S_q, H_q, D], [B, S_k, H_kv, D], [B, S_k, H_kv, D_v]) and the options; return the sizes.
 
-    Devices are checked separately by ``check_on_gpu``, right before a launch.
+    ``head_dims``: the (D, D_v) pairs of the contract; a stage that has not got one yet rejects it in
+    ``reject_later_features``. Devices are checked separately by ``check_on_gpu``, right before a launch.
     """
     bshd = "[batch, seqlen, heads, head_dim]"
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, rank=4, layout=bshd)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match in [batch, "
+                         "seqlen, heads] (their head dims may differ only as a supported pair, such as 192 and 128)")
     _check_not_empty("q", q, ("batch", "S_q", "H_q", "head_dim"))
     _check_not_empty("k", k, ("batch", "S_k", "H_kv", "head_dim"))
     b, s_q, h_q, d = q.shape
     b_k, s_k, h_kv, d_k = k.shape
     if b_k != b:
         raise ValueError(f"q has batch {b} but k/v have batch {b_k}")
+    d_v = v.shape[-1]
     if d_k != d:
-        raise ValueError(f"q has head_dim {d} but k/v have head_dim {d_k}")
-    if d not in head_dims:
-        raise ValueError(f"head_dim {d} is not supported; supported: {', '.join(map(str, head_dims))}")
+        raise ValueError(f"q has head_dim {d} but k has head_dim {d_k}; they must match")
+    if (d, d_v) not in head_dims:
+        dims = f"head_dim {d}" if d == d_v else f"head_dim {d} for q and k with {d_v} for v"
+        raise ValueError(f"{dims} is not supported; supported: {describe_head_dims(head_dims)}")
     if h_q % h_kv:
         raise ValueError(
             f"q has {h_q} heads and k/v have {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)"
@@ -191,8 +210,8 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_
     check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
     _check_sink_logits(sink_logits, h_q)
     if out is not None:
-        _check_out(out, q, "q", layout=bshd)
-    return AttentionShape(b, s_q, s_k, h_q, h_kv, d)
+        _check_out(out, q, "q with v's head_dim", layout=bshd, shape=(b, s_q, h_q, d_v))
+    return AttentionShape(b, s_q, s_k, h_q, h_kv, d, d_v)
 
 
 def check_merge_inputs(o_a, lse_a, o_b, lse_b, *, out=None, head_dims=(64, 128)) -> None:
@@ -235,11 +254,12 @@ def check_on_gpu(**tensors) -> None:
 
 
 def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sink_logits=None,
-                          num_sink_tokens=0, return_lse=False, seqlen_k=0, max_seqlen_k=None) -> None:
+                          num_sink_tokens=0, return_lse=False, seqlen_k=0, max_seqlen_k=None,
+                          head_dims=(128, 128)) -> None:
     """Raise NotImplementedError for a feature that a later stage adds.
 
     ``max_seqlen_k``: the most keys the stage's kernel takes (one KV tile in
-    stage 1), or None for any number.
+    stage 1), or None for any number. ``head_dims``: the call's (D, D_v).
     """
     used = {
         "causal": bool(causal),
@@ -248,6 +268,7 @@ def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sin
         "num_sink_tokens": num_sink_tokens != 0,
         "return_lse": bool(return_lse),
         "seqlen_k": max_seqlen_k is not None and seqlen_k > max_seqlen_k,
+        "head_dim": tuple(head_dims) not in HEAD_DIMS_BEFORE_STAGE_8,
     }
     for feature, on in used.items():
         added_in, title = FEATURE_STAGE[feature]
@@ -256,6 +277,14 @@ def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sin
                 raise NotImplementedError(
                     f"stage {stage} handles S_k <= {max_seqlen_k} keys (one KV tile); got S_k = {seqlen_k}. "
                     f"Stage {added_in} ({title}) adds the loop over KV tiles."
+                )
+            if feature == "head_dim":
+                d, d_v = head_dims
+                dims = f"head_dim {d}" if d == d_v else f"head_dim {d} for q and k with {d_v} for v"
+                raise NotImplementedError(
+                    f"{dims} is not implemented in stage {stage}, which takes "
+                    f"{describe_head_dims(HEAD_DIMS_BEFORE_STAGE_8)}; stage {added_in} ({title}) takes "
+                    f"{describe_head_dims(HEAD_DIMS_FROM_STAGE_8)}"
                 )
             raise NotImplementedError(
                 f"{feature} is not implemented in stage {stage}; stage {added_in} ({title}) adds it"

@@ -43,15 +43,15 @@ def gpu_skip_reason() -> str | None:
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, *, device="cuda",
-               seed=0, kv_tile_offsets=None):
-    """Fresh N(0, 1) q, k, v. ``kv_tile_offsets`` (a tile size) shifts each KV tile's
-    values by a different amount, so a kernel that reads the wrong tile fails loudly."""
+               seed=0, kv_tile_offsets=None, head_dim_v=None):
+    """Fresh N(0, 1) q, k, v (v with ``head_dim_v``, by default ``head_dim``). ``kv_tile_offsets`` (a tile
+    size) shifts each KV tile's values by a different amount, so a kernel that reads the wrong tile fails loudly."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float32)
     q = rand(batch, seqlen_q, heads_q, head_dim)
     k = rand(batch, seqlen_k, heads_kv, head_dim)
-    v = rand(batch, seqlen_k, heads_kv, head_dim)
+    v = rand(batch, seqlen_k, heads_kv, head_dim if head_dim_v is None else head_dim_v)
     if kv_tile_offsets:
         tile = torch.arange(seqlen_k).div(kv_tile_offsets, rounding_mode="floor").float()
         shift = (tile % 5 - 2).view(1, seqlen_k, 1, 1)
@@ -80,8 +80,8 @@ def torch_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                                      num_sink_tokens=num_sink_tokens, device=q.device)
     bias = torch.zeros(1, h_q, s_q, s_k, device=q.device, dtype=q.dtype).masked_fill(~visible, -math.inf)
     if sink_logits is not None:
-        zeros = kh.new_zeros(kh.shape[0], kh.shape[1], 1, kh.shape[3])
-        kh, vh = torch.cat([kh, zeros], dim=2), torch.cat([vh, zeros], dim=2)
+        kh = torch.cat([kh, kh.new_zeros(*kh.shape[:2], 1, kh.shape[3])], dim=2)
+        vh = torch.cat([vh, vh.new_zeros(*vh.shape[:2], 1, vh.shape[3])], dim=2)
         sink = sink_logits.to(q.dtype).view(1, h_q, 1, 1).expand(1, h_q, s_q, 1)
         bias = torch.cat([bias, sink], dim=-1)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=softmax_scale,

@@ -271,7 +271,7 @@ def time_prefill_shape(shape: PrefillShape, kernels: dict, repeats: int) -> list
     from course import testing
 
     qkv = list(testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
-                                  shape.head_dim, getattr(torch, shape.dtype)))
+                                  shape.head_dim, getattr(torch, shape.dtype), head_dim_v=shape.dv))
     features = kernel_features(shape, shape.heads)
     calls = runnable({name: partial(fn, *qkv, **features) for name, (_, fn) in kernels.items()}, shape.label)
     rows = []
@@ -353,26 +353,34 @@ def plot_prefill(rows: list[dict], path: Path, title: str) -> bool:
              in stages.FA3_SWEEP]
     if not swept:
         return False
-    panels = [(d, causal) for d in (64, 128) for causal in (False, True)]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    def dims(row: dict) -> tuple[int, int]:
+        return row["shape"]["head_dim"], row["shape"].get("head_dim_v") or row["shape"]["head_dim"]
+
+    present = {dims(r) for r in swept}
+    head_dims = [pair for pair in stages.SWEEP_HEAD_DIMS if pair in present]
+    panels = [(pair, causal) for pair in head_dims for causal in (False, True)]
+    fig, axes = plt.subplots(len(head_dims), 2, figsize=(11, 3.4 * len(head_dims) + 0.6), sharex=True,
+                             squeeze=False)
     kernels = list(dict.fromkeys(r["kernel"] for r in swept))
-    for ax, (d, causal) in zip(axes.flat, panels):
+    for ax, (pair, causal) in zip(axes.flat, panels):
         for i, name in enumerate(kernels):
             points = sorted((r["shape"]["seqlen_q"], r["tflops"]) for r in swept if r["kernel"] == name
-                            and r["shape"]["head_dim"] == d and r["shape"]["causal"] == causal)
+                            and dims(r) == pair and r["shape"]["causal"] == causal)
             if points:
                 color, marker = _style(name, i)
                 ax.plot(*zip(*points), marker=marker, color=color, label=name, linewidth=2)
         ax.set_xscale("log", base=2)
         ax.set_xticks(seqlens, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqlens])
-        ax.set_title(f"head dim {d}, {'causal' if causal else 'no mask'}", fontsize=11)
+        d, d_v = pair
+        ax.set_title(f"head dim {d}" + (f" (V {d_v})" if d_v != d else "") + f", {'causal' if causal else 'no mask'}",
+                     fontsize=11)
         ax.set_ylabel("TFLOP/s")
         ax.grid(alpha=0.3)
-    axes[1, 0].set_xlabel("sequence length (B x S = 16k, H x D = 2048)")
-    axes[1, 1].set_xlabel("sequence length (B x S = 16k, H x D = 2048)")
+    for ax in axes[-1]:
+        ax.set_xlabel("sequence length (B x S = 16k, H x D = 2048)")
     axes[0, 0].legend(fontsize=9)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # room for the title above the panels
     _save(fig, path)
     return True
 
