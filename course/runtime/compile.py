@@ -8,6 +8,7 @@ Hopper GPU. This module is what every stage's cross-compile check and the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -131,6 +132,29 @@ def resource_usage(cubin: Path, ptx: Path, ptxas_report: str = "") -> tuple[int,
     return None
 
 
+@contextlib.contextmanager
+def _without_source_locations():
+    """Trace without recording each op's Python source location.
+
+    The ``remarks{ptx}`` option also turns on the DSL's tracking of source
+    locations (for its own diagnostics), a walk up the Python stack for every
+    op traced: about half of a cross-compile's time, and nothing a report
+    reads. Compiles without remarks (every launch) never track them. Without
+    the DSL's private switch (another DSL version) the compile is only slower.
+    """
+    from cutlass.base_dsl import dsl
+
+    switch = getattr(dsl, "_set_enable_frame_filtering", None)
+    if switch is None:
+        yield
+        return
+    dsl._set_enable_frame_filtering = lambda enable: switch(False)
+    try:
+        yield
+    finally:
+        dsl._set_enable_frame_filtering = switch
+
+
 def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport:
     """Compile ``jit_fn(*args, stream)`` for sm_90a without a GPU and report on the result.
 
@@ -144,11 +168,12 @@ def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport
         start = time.perf_counter()
         # remarks{ptx}: the DSL runs its ptxas with -v and writes what it says to the remark file.
         remarks = Path(tmp) / "ptxas-remarks.yaml"
-        compiled = cute.compile(
-            jit_fn, *args, fake_stream(),
-            options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin --dump-dir {tmp} "
-                    f"--remark-output {remarks} remarks{{ptx}}",
-        )
+        with _without_source_locations():
+            compiled = cute.compile(
+                jit_fn, *args, fake_stream(),
+                options=f"--gpu-arch {GPU_ARCH} --keep-ptx --keep-cubin --dump-dir {tmp} "
+                        f"--remark-output {remarks} remarks{{ptx}}",
+            )
         report = CompileReport(name=name, seconds=time.perf_counter() - start)
         storage = getattr(jit_fn, "shared_storage", None)
         if storage is not None:
