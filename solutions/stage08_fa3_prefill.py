@@ -33,7 +33,7 @@ a compile-time level (``Step``) so that the benchmark measures each one:
 
 Every feature of stage 6 is kept (masks with tile skipping, both kinds of
 sink, LSE, GQA, fp16/bf16, any lengths), and ``merge_attention_states`` is
-stage 6's, unchanged. The head dims grow to those models use: 64, 96, 128,
+stage 6's, unchanged. The head dims grow to those models use: 64, 80, 96, 128,
 192, 256 and (192, 128) for (Q and K, V); ``TILES`` picks the KV tile of
 each, as wide as shared memory allows.
 
@@ -79,6 +79,7 @@ class Tiles:
 # third (FA3's 192-row tiles) would leave 128 registers per thread, and this kernel then spills.
 TILES = {
     (64, 64): Tiles(2, 128),
+    (80, 80): Tiles(2, 128),
     (96, 96): Tiles(2, 128),
     (128, 128): Tiles(2, 128),
     (192, 128): Tiles(2, 112),

@@ -76,7 +76,7 @@ LSE = (  # writing the LSE costs one float per row: timed next to the same shape
 )
 # Stage 8: the FA3 paper's plots, TFLOP/s against the sequence length at B * S = 16k and H * D = 2048, for
 # every head dim pair (D, D_v) stage 8 takes.
-SWEEP_HEAD_DIMS = ((128, 128), (64, 64), (96, 96), (192, 192), (192, 128), (256, 256))
+SWEEP_HEAD_DIMS = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 192), (192, 128), (256, 256))
 FA3_SWEEP = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, causal=causal, head_dim_v=d_v if d_v != d else 0)
                   for d, d_v in SWEEP_HEAD_DIMS for causal in (False, True)
                   for s in (512, 1024, 2048, 4096, 8192, 16384))

@@ -35,7 +35,7 @@ FEATURE_STAGE = {
 }
 # Prefill head dims (D_qk, D_v): stages 1-7 take the first two, stage 8 all of them (its TILES).
 HEAD_DIMS_BEFORE_STAGE_8 = ((64, 64), (128, 128))
-HEAD_DIMS_FROM_STAGE_8 = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+HEAD_DIMS_FROM_STAGE_8 = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
 
 def describe_head_dims(pairs) -> str:
