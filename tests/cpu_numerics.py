@@ -14,6 +14,8 @@ traced, ``host_stand_ins`` puts host code in their place that computes the same 
 - ``cute.arch.warp_reduction_max`` / ``_sum`` over a quad (``threads_in_group=4``):
   the thread's own value, because the softmax checks give each thread whole rows. A
   missing quad reduction is therefore invisible here; the GPU tests see it;
+- ``cute.arch.vote_any_sync``: the thread's own predicate (stage 9's check runs one
+  thread of the warp, whose rows then see only its own keys);
 - stage 8's tile scheduler reads ``block_idx`` before it knows whether the order is
   linear; the linear order never uses it, so block (0, 0, 0) stands in;
 - for the decode kernel's last-CTA election, ``thread_idx`` (thread 0 of each CTA),
@@ -77,6 +79,10 @@ def _quad_of_one(value, *, threads_in_group=32, **_):
     return value
 
 
+def _own_vote(predicate, **_):
+    return predicate
+
+
 def _index_zero(**_):
     return Int32(0), Int32(0), Int32(0)
 
@@ -101,7 +107,7 @@ def _store(ptr, value, **_):
 
 STAND_INS = {
     "fmax": _max, "rcp_approx": _reciprocal,
-    "warp_reduction_max": _quad_of_one, "warp_reduction_sum": _quad_of_one,
+    "warp_reduction_max": _quad_of_one, "warp_reduction_sum": _quad_of_one, "vote_any_sync": _own_vote,
     "thread_idx": _index_zero, "block_idx": _index_zero, "sync_threads": _nothing_to_wait_for,
     "atomic_add": _add_and_return_old, "store": _store,
 }
@@ -856,3 +862,77 @@ def check_schedule(module, *, seqlen_q: int, num_heads: int, num_batch: int, seq
                 "grouped order: inside a group, all its pairs at one Q tile before the next Q tile"
                 + (" (the last Q tile first)" if longest_first else "") + ", groups one after another.")
 
+
+
+# ---------------------------------------------------------------- tensor-core decode (stage 9)
+
+FRAGMENT_O_BLOCKS = 2  # a thread's O fragment ((2, 2), 1, blocks): per 8-column block 2 columns of each of its rows
+
+
+@cute.jit
+def fold_fragment_keys(module: cutlass.Constexpr, scores: cute.Tensor, values: cute.Tensor, state: cute.Tensor):
+    """One thread's two rows through online_softmax_update, step by step.
+
+    ``scores`` [steps, 8]: the thread's S fragment of each step (exp2 units, -inf for a key past the
+    end); ``values`` [steps, 8, 2 * FRAGMENT_O_BLOCKS]: what the key of each score adds to each of its
+    row's O columns. After each update the host adds P V from this thread's keys, as the MMA would
+    (with the quad stand-ins a thread's rows are its own: its max covers its keys only).
+    ``state`` [2, 2 + 2 * FRAGMENT_O_BLOCKS] gets each row's (max, sum, unnormalized O).
+    """
+    steps = cute.size(scores, mode=[0])
+    r_s = cute.make_rmem_tensor(((2, 2), 1, 2), Float32)
+    acc_o = cute.make_rmem_tensor(((2, 2), 1, FRAGMENT_O_BLOCKS), Float32)
+    row_max = cute.make_rmem_tensor((2,), Float32)
+    row_sum = cute.make_rmem_tensor((2,), Float32)
+    row_max.fill(-Float32.inf)
+    row_sum.fill(0.0)
+    acc_o.fill(0.0)
+    flat_s = cute.make_tensor(r_s.iterator, cute.make_layout(8))
+    online_softmax_update, score_row = module.online_softmax_update, module.score_row  # (not the module: fold_keys)
+    for step in range(steps):
+        for v in cutlass.range_constexpr(8):
+            flat_s[v] = scores[step, v]
+        online_softmax_update(r_s, acc_o, row_max, row_sum)
+        for v in cutlass.range_constexpr(8):
+            for nb in cutlass.range_constexpr(FRAGMENT_O_BLOCKS):
+                for c in cutlass.range_constexpr(2):
+                    acc_o[(c, score_row(v)), 0, nb] += flat_s[v] * values[step, v, c + 2 * nb]
+    for r in cutlass.range_constexpr(2):
+        state[r, 0] = row_max[r]
+        state[r, 1] = row_sum[r]
+        for nb in cutlass.range_constexpr(FRAGMENT_O_BLOCKS):
+            for c in cutlass.range_constexpr(2):
+                state[r, 2 + c + 2 * nb] = acc_o[(c, r), 0, nb]
+
+
+def check_fragment_softmax(module, lengths: tuple[int, int], *, logit_scale: float = 1.0) -> None:
+    """Stage 9's online_softmax_update on one thread's fragment over ``lengths`` keys of its two rows (4 keys of each
+    row per step, -inf past the end), against a float64 softmax of the same scores (O and LSE). Large logits move
+    the max by more than RESCALE_THRESHOLD: the lazy rescale must then happen."""
+    gen = torch.Generator().manual_seed(sum(lengths) + int(logit_scale))
+    steps = max(1, _tiles(max(lengths), 4)) + 1  # one more step past the end: every score -inf
+    columns = 2 * FRAGMENT_O_BLOCKS
+    scores = torch.full((steps, 8), -math.inf)
+    values = torch.randn(steps, 8, columns, generator=gen)
+    slots = [[v for v in range(8) if module.score_row(v) == r] for r in range(2)]  # each row's 4 values
+    row_scores = [torch.randn(lengths[r], generator=gen, dtype=torch.float64) * logit_scale for r in range(2)]
+    for r in range(2):
+        for key in range(lengths[r]):
+            scores[key // 4, slots[r][key % 4]] = row_scores[r][key]
+    state = torch.full((2, 2 + columns), math.nan)
+    compile_on_cpu(fold_fragment_keys, (module,), (scores, values, state))(scores, values, state)
+    o_ref, lse_ref = torch.zeros(2, columns, dtype=torch.float64), torch.full((2,), -math.inf, dtype=torch.float64)
+    for r in range(2):
+        if lengths[r]:
+            s = row_scores[r]
+            v = torch.stack([values[key // 4, slots[r][key % 4]] for key in range(lengths[r])]).double()
+            p = torch.softmax(s * LN_2, dim=0)  # exp2 units
+            o_ref[r] = p @ v
+            lse_ref[r] = torch.logsumexp(s * LN_2, dim=0)
+    where = (f"online_softmax_update on one thread's fragment, {lengths[0]} and {lengths[1]} keys in its two rows"
+             + (f", logits x{logit_scale}" if logit_scale != 1 else ""))
+    total = state[:, 1:2]
+    o = torch.where(total > 0, state[:, 2:] / total.clamp_min(1e-30), 0.0)
+    assert_rows_match(o, o_ref, where + " (O = acc_o / row_sum)")
+    lse = (state[:, 0] + torch.log2(state[:, 1])) * LN_2
+    assert_lse_matches(lse, lse_ref, where + " (LSE = row_max + log2(row_sum))")

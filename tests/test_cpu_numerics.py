@@ -46,6 +46,13 @@ PLANTED = {
                              lambda m: cpu_numerics.check_split_partial(m, 41)),
     "combine-without-the-minus-inf-guard": (  # an empty sequence: every split empty
         7, "fold_in_split", [SetValue("safe_max", "new_max")], lambda m: cpu_numerics.check_combine(m, 0, 3, sink=False)),
+    "fragment-acc-not-rescaled": (9, "online_softmax_update", [DropFactor("acc_o[(c, r), 0, nb]", "correction")],
+                                  lambda m: cpu_numerics.check_fragment_softmax(m, (41, 40), logit_scale=30.0)),
+    "fragment-sum-not-rescaled": (9, "online_softmax_update", [DropFactor("row_sum[r]", "correction")],
+                                  lambda m: cpu_numerics.check_fragment_softmax(m, (41, 40), logit_scale=30.0)),
+    "fragment-without-the-minus-inf-guard": (  # a row with no key yet: exp2(-inf - (-inf))
+        9, "online_softmax_update", [SetValue("safe_max", "row_max[r]", nth=1)],
+        lambda m: cpu_numerics.check_fragment_softmax(m, (0, 5))),
     "last-group-of-heads-not-short": (8, "coords", [SetValue("heads_here", "group")],
                                       lambda m: cpu_numerics.check_schedule(m, **SCHEDULE, longest_first=False)),
     "group-ignores-l2": (8, "l2_group", [DropConjunct(1)],

@@ -3,6 +3,7 @@
 import math
 from pathlib import Path
 
+import cpu_numerics
 import pytest
 import torch
 from test_stage07_decode import BAD_INPUTS as STAGE7_BAD_INPUTS
@@ -176,6 +177,18 @@ def test_bad_input_is_rejected_before_launch(stage, make, options, error, messag
     options = {name: value(stage) if callable(value) else value for name, value in options.items()}
     with pytest.raises(error, match=message):
         stage.decode_attention(**make(), **options)
+
+
+# ---------------------------------------------------------------- your online softmax on the CPU
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("lengths, logit_scale", [((0, 0), 1.0), ((1, 0), 1.0), ((5, 13), 1.0), ((41, 40), 1.0),
+                                                  ((41, 40), 30.0)],
+                         ids=["no-keys", "one-row-empty", "short", "long", "long-large-logits"])
+def test_on_cpu_online_softmax_update(stage, lengths, logit_scale):
+    """Your online_softmax_update on one thread's S and O fragments, step by step (its two rows, -inf past the end),
+    against a float64 softmax: O, LSE, the -inf guard, and the lazy rescale when a large logit moves the max."""
+    cpu_numerics.check_fragment_softmax(stage, lengths, logit_scale=logit_scale)
 
 
 # ---------------------------------------------------------------- cross-compile (CPU)

@@ -125,7 +125,8 @@ STAGES = [
           cpu_sync=("pingpong_start", "pingpong_wait", "pingpong_pass", "overlapped_step")),
     Stage(9, "tc_decode", "Tensor-core decode, FP8 KV cache",
           "GQA packing on mma.sync, whole-row copies into swizzled warp tiles, an e4m3 cache with scales",
-          ready=True, kind="decode", bench_shapes=DECODE_GROUPINGS, starts_from=7),
+          ready=True, kind="decode", bench_shapes=DECODE_GROUPINGS, starts_from=7,
+          cpu_numerics=("online_softmax_update",)),
 ]
 
 
