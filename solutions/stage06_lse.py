@@ -390,7 +390,7 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         #   (page: The LSE is already in the kernel)
         lse[r] = (top + cute.math.log2(denominator, fastmath=False)) * LN_2
         # [/exercise]
-        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+        for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
             o[r, c] *= inv_sum
 
 

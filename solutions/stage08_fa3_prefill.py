@@ -682,8 +682,8 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
     In log2 units the denominator is 2^top * denominator, with top = max * scale_log2
     (and the sink logit, -inf without sink logits, brought to the common reference
     top = max(max * scale_log2, sink)). So LSE = (top + log2(denominator)) * ln 2,
-    which is -inf for a row with no visible key and no sink, and the sink logit
-    for a row with only the sink.
+    which is -inf for a row with no visible key and no sink (or a -inf one), and
+    the sink logit for a row with only the sink.
     """
     o = rows_cols_view(acc_O)
     for r in cutlass.range_constexpr(cute.size(o, mode=[0])):

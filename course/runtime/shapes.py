@@ -74,8 +74,7 @@ class PrefillShape:
     @property
     def bytes_moved(self) -> int:
         """Q, K, V read and O written once: the least any kernel must move."""
-        elements = (self.seqlen_q + self.seqlen_k) * self.head_dim + (self.seqlen_k + self.seqlen_q) * self.dv
-        return 2 * self.batch * self.heads * elements
+        return 2 * self.batch * self.heads * (self.seqlen_q + self.seqlen_k) * (self.head_dim + self.dv)
 
 
 @dataclass(frozen=True)

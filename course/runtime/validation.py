@@ -38,6 +38,11 @@ HEAD_DIMS_BEFORE_STAGE_8 = ((64, 64), (128, 128))
 HEAD_DIMS_FROM_STAGE_8 = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
 
+def describe_dims(d: int, d_v: int) -> str:
+    """e.g. "head_dim 96", or "head_dim 192 for q and k with 128 for v"."""
+    return f"head_dim {d}" if d == d_v else f"head_dim {d} for q and k with {d_v} for v"
+
+
 def describe_head_dims(pairs) -> str:
     """e.g. "64, 128, or 192 for q and k with 128 for v"."""
     same = [str(d) for d, d_v in pairs if d == d_v]
@@ -194,8 +199,7 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_
     if d_k != d:
         raise ValueError(f"q has head_dim {d} but k has head_dim {d_k}; they must match")
     if (d, d_v) not in head_dims:
-        dims = f"head_dim {d}" if d == d_v else f"head_dim {d} for q and k with {d_v} for v"
-        raise ValueError(f"{dims} is not supported; supported: {describe_head_dims(head_dims)}")
+        raise ValueError(f"{describe_dims(d, d_v)} is not supported; supported: {describe_head_dims(head_dims)}")
     if h_q % h_kv:
         raise ValueError(
             f"q has {h_q} heads and k/v have {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)"
@@ -279,10 +283,8 @@ def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sin
                     f"Stage {added_in} ({title}) adds the loop over KV tiles."
                 )
             if feature == "head_dim":
-                d, d_v = head_dims
-                dims = f"head_dim {d}" if d == d_v else f"head_dim {d} for q and k with {d_v} for v"
                 raise NotImplementedError(
-                    f"{dims} is not implemented in stage {stage}, which takes "
+                    f"{describe_dims(*head_dims)} is not implemented in stage {stage}, which takes "
                     f"{describe_head_dims(HEAD_DIMS_BEFORE_STAGE_8)}; stage {added_in} ({title}) takes "
                     f"{describe_head_dims(HEAD_DIMS_FROM_STAGE_8)}"
                 )
