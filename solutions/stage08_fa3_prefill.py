@@ -890,6 +890,8 @@ class Attention:
         self.tile_m = 64 * self.num_wgs
         self.mma_threads = 128 * self.num_wgs
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then MMA warpgroups 0, 1, ...
+        # The O tile's rows per shared-memory buffer, and its buffers (smem_layouts)
+        self.o_rows, self.o_buffers = (64, self.num_wgs) if self.steps >= Step.EPILOGUE else (self.tile_m, 1)
 
     # Every prefill stage has this signature, so one host function (course.runtime.prefill) compiles and
     # launches them all; a stage ignores the arguments of features it does not have yet.
@@ -909,10 +911,31 @@ class Attention:
         write_lse: cutlass.Int32,
         stream,
     ):
-        dtype, d, dv, n = self.dtype, self.head_dim, self.head_dim_v, self.tile_n
         mQ, mK, mO = bshd_as_rows_dim(mQ), bshd_as_rows_dim(mK), bshd_as_rows_dim(mO)
         mV = bshd_as_dim_rows(mV)
+        qk_mma, pv_mma, pv_mma_wg = self.tiled_mmas()
+        sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
+        self.define_shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
+        one_stage = (None, None, 0)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, self.head_dim))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage),
+                                                    (self.tile_n, self.head_dim))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, one_stage),
+                                                    (self.head_dim_v, self.tile_n))
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
+                                                    cute.slice_(sO_layout, one_stage), (self.o_rows, self.head_dim_v))
 
+        scheduler = self.scheduler(mQ, mK)
+        self.kernel(
+            qk_mma, pv_mma, pv_mma_wg, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
+            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, write_lse,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+        ).launch(grid=scheduler.grid(launch.sm_count()), block=[self.num_threads, 1, 1], stream=stream)
+
+    def tiled_mmas(self):
+        """(S = Q K^T, O = P V, one warpgroup's share of P V) as tiled WGMMAs over the MMA warpgroups."""
+        dtype, dv, n = self.dtype, self.head_dim_v, self.tile_n
         # S = Q K^T: both operands K-major (head_dim contiguous), from shared memory.
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
@@ -928,17 +951,25 @@ class Attention:
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
             cutlass.Float32, (1, 1, 1), (64, dv), warpgroup.OperandSource.RMEM,
         )
+        return qk_mma, pv_mma, pv_mma_wg
 
-        one_stage = (None, None, 0)
+    def smem_layouts(self):
+        """The swizzled shared-memory layouts of Q, the K and V rings, and the O buffers."""
+        dtype, d, dv, n = self.dtype, self.head_dim, self.head_dim_v, self.tile_n
         sQ_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, n, d), dtype, 1), one_stage
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, n, d), dtype, 1), (None, None, 0)
         )
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.tile_m, n, d), dtype, KV_STAGES)
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, (self.tile_m, dv, n), dtype, KV_STAGES)
         # O gets buffers of its own, so that the producer may load the next tile's Q meanwhile:
         # with Step.EPILOGUE one of 64 rows per warpgroup, else one for the whole tile.
-        o_rows, o_buffers = (64, self.num_wgs) if self.steps >= Step.EPILOGUE else (self.tile_m, 1)
-        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (o_rows, n, dv), dtype, o_buffers)
+        sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.o_rows, n, dv), dtype, self.o_buffers)
+        return sQ_layout, sK_layout, sV_layout, sO_layout
+
+    @cute.jit  # (traced: the struct's annotations are evaluated, which `from __future__ import annotations` defers)
+    def define_shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """The CTA's shared memory (``self.shared_storage``) and the bytes one Q, K and V tile load brings."""
+        dtype = self.dtype
 
         @cute.struct
         class SharedStorage:
@@ -951,23 +982,10 @@ class Attention:
             sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
 
         self.shared_storage = SharedStorage
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(sK_layout, one_stage), (n, d))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, cute.slice_(sV_layout, one_stage), (dv, n))
-        tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
-                                                    cute.slice_(sO_layout, one_stage), (o_rows, dv))
+        one_stage = (None, None, 0)
         self.q_bytes = cute.size_in_bytes(dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(dtype, cute.slice_(sK_layout, one_stage))  # one K tile
         self.v_bytes = cute.size_in_bytes(dtype, cute.slice_(sV_layout, one_stage))  # one V tile
-
-        scheduler = self.scheduler(mQ, mK)
-        self.kernel(
-            qk_mma, pv_mma, pv_mma_wg, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO,
-            mLSE, mSinks, scale_log2, window_left, window_right, num_sink_tokens, write_lse,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
-        ).launch(grid=scheduler.grid(launch.sm_count()), block=[self.num_threads, 1, 1], stream=stream)
 
     def scheduler(self, mQ: cute.Tensor, mK: cute.Tensor) -> TileScheduler:
         kv_tile_bytes = self.tile_n * (self.head_dim + self.head_dim_v) * self.dtype.width // 8
@@ -1005,32 +1023,9 @@ class Attention:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
 
-        smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-
-        # --8<-- [start:pipelines]
-        # A "full" barrier per buffer completes when its TMA bytes have landed (one producer
-        # arrival + tx bytes); an "empty" barrier when all MMA warps released it. Q has a
-        # pipeline of its own now: one buffer, refilled for every tile.
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32)  # a release per MMA warp
-        pipeline_q = pipeline.PipelineTmaAsync.create(
-            num_stages=1, producer_group=producer, consumer_group=consumers,
-            tx_count=self.q_bytes, barrier_storage=storage.q_bars.data_ptr(), defer_sync=True,
-        )
-        pipeline_k = pipeline.PipelineTmaAsync.create(
-            num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
-            tx_count=self.k_bytes, barrier_storage=storage.k_bars.data_ptr(), defer_sync=True,
-        )
-        pipeline_v = pipeline.PipelineTmaAsync.create(
-            num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
-            tx_count=self.v_bytes, barrier_storage=storage.v_bars.data_ptr(), defer_sync=True,
-        )
-        # --8<-- [end:pipelines]
+        storage = SmemAllocator().allocate(self.shared_storage)
+        sQ, sK, sV, sO = self.shared_tensors(storage, sQ_layout, sK_layout, sV_layout, sO_layout)
+        pipeline_q, pipeline_k, pipeline_v = self.make_pipelines(storage)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
@@ -1051,6 +1046,34 @@ class Attention:
             if warp_idx == 0:
                 self.load(self.scheduler(mQ, mK), tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV, pipeline_q, pipeline_k,
                           pipeline_v, window_left, window_right, num_sink_tokens)
+
+    def shared_tensors(self, storage, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """sQ, sK, sV, sO: the buffers of ``storage`` with their swizzled layouts."""
+        return tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
+            (storage.sQ, sQ_layout), (storage.sK, sK_layout), (storage.sV, sV_layout), (storage.sO, sO_layout)))
+
+    def make_pipelines(self, storage):
+        """The Q, K and V pipelines, on the mbarriers of ``storage``."""
+        # --8<-- [start:pipelines]
+        # A "full" barrier per buffer completes when its TMA bytes have landed (one producer
+        # arrival + tx bytes); an "empty" barrier when all MMA warps released it. Q has a
+        # pipeline of its own now: one buffer, refilled for every tile.
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32)  # a release per MMA warp
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=producer, consumer_group=consumers,
+            tx_count=self.q_bytes, barrier_storage=storage.q_bars.data_ptr(), defer_sync=True,
+        )
+        pipeline_k = pipeline.PipelineTmaAsync.create(
+            num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
+            tx_count=self.k_bytes, barrier_storage=storage.k_bars.data_ptr(), defer_sync=True,
+        )
+        pipeline_v = pipeline.PipelineTmaAsync.create(
+            num_stages=KV_STAGES, producer_group=producer, consumer_group=consumers,
+            tx_count=self.v_bytes, barrier_storage=storage.v_bars.data_ptr(), defer_sync=True,
+        )
+        # --8<-- [end:pipelines]
+        return pipeline_q, pipeline_k, pipeline_v
 
     # --8<-- [start:producer]
     @cute.jit

@@ -219,16 +219,60 @@ def small_gpt_oss(backed_by):
     return models.in_dtype(build(config, "cpu"), torch.bfloat16, "course"), token_ids(config, 2, 20, "cpu")
 
 
-def test_padded_batch_raises(small_gpt_oss):
+def padded_mask(ids, padding=(0, 5), left=True):
+    """A mask of ``ids`` [B, S] with ``padding[b]`` pad tokens at the start (left) or the end of sequence b."""
+    mask = torch.ones_like(ids)
+    for b, n in enumerate(padding):
+        if n:
+            mask[b, :n] = 0 if left else 1
+            if not left:
+                mask[b, -n:] = 0
+    return mask
+
+
+def check_padded(config, dtype, ids, mask, prompt):
+    """A padded batch, prompt then decode steps: the course backend next to eager, at every real position."""
+    reference = build(config, ids.device)
+    with torch.no_grad():
+        expected = models.incremental_logits(reference, ids, prompt, attention_mask=mask)
+        runs = {name: models.incremental_logits(models.in_dtype(reference, dtype, name), ids, prompt,
+                                                attention_mask=mask) for name in ("eager", "course")}
+    for step in range(expected.shape[1]):
+        assert_within_yardstick(runs["course"][:, step], runs["eager"][:, step], expected[:, step],
+                                f"{config.model_type} {dtype}, padded batch, position {prompt - 1 + step}")
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_left_padded_batch_on_the_reference(backed_by, family):
+    """Prompts of different lengths, left-padded as generate pads them: prompt and decode steps on
+    course::attention_varlen (the real queries and keys packed), next to eager at every real position."""
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    ids = token_ids(config, 3, 40, "cpu")
+    check_padded(config, torch.bfloat16, ids, padded_mask(ids, (0, 7, 19)), prompt=30)
+
+
+def test_right_padded_prompt_on_the_reference(backed_by):
+    """Right padding (a prompt batch of a classifier): the real rows match eager; padded rows are 0."""
+    backed_by(impl="reference")
+    config = cpu_config("llama")
+    ids = token_ids(config, 2, 30, "cpu")
+    mask = padded_mask(ids, (0, 9), left=False)
+    reference = build(config, "cpu")
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).logits
+        baseline = models.in_dtype(reference, torch.bfloat16, "eager")(ids, attention_mask=mask).logits
+        logits = models.in_dtype(reference, torch.bfloat16, "course")(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert_within_yardstick(logits[real], baseline[real], expected[real], "llama, right-padded prompt")
+
+
+def test_padded_batch_raises_under_torch_compile(small_gpt_oss):
     model, ids = small_gpt_oss
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
-    with pytest.raises(ValueError, match="does not support padded batches"), torch.no_grad():
-        model(ids, attention_mask=mask)
-    with torch.no_grad():  # a mask without padding is fine
-        model(ids, attention_mask=torch.ones_like(ids))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # traced: an assertion in the graph
-    with pytest.raises(RuntimeError, match="does not support padded batches"), torch.no_grad():
+    with pytest.raises(RuntimeError, match="does not support padded batches under torch.compile"), torch.no_grad():
         compiled(ids, attention_mask=mask)
 
 
@@ -279,14 +323,30 @@ def test_float32_model_is_rejected_by_the_kernels_validation(backed_by):
         model(token_ids(config, 1, 8, "cpu"))
 
 
-def test_packed_sequences_raise(backed_by):
-    """Two sequences packed in one row (positions restart) need a block mask: refused in eager mode."""
+def test_packed_sequences_raise_without_their_offsets(backed_by):
+    """Two sequences packed in one row (positions restart) without cu_seq_lens_q/k: refused in eager mode."""
     backed_by(impl="reference")
     config = cpu_config("llama")
     model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
     positions = torch.cat([torch.arange(12), torch.arange(8)])[None]
     with pytest.raises(NotImplementedError, match="packed sequences"), torch.no_grad():
         model(token_ids(config, 1, 20, "cpu"), position_ids=positions, use_cache=False)
+
+
+def test_packed_sequences_with_their_offsets(backed_by):
+    """Two sequences in one row with cu_seq_lens_q/k (DataCollatorWithFlattening's flash kwargs): each one's
+    logits are those of the sequence run alone."""
+    backed_by(impl="reference")
+    config = cpu_config("llama")
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    ids = token_ids(config, 1, 20, "cpu")
+    offsets = torch.tensor([0, 12, 20], dtype=torch.int32)
+    positions = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions, use_cache=False, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+                       max_length_q=12, max_length_k=12).logits[0]
+        alone = [model(ids[:, a:b], use_cache=False).logits[0] for a, b in ((0, 12), (12, 20))]
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------- on a Hopper GPU: the kernels
@@ -318,6 +378,41 @@ def test_incremental_decode_on_gpu(kernels, family, dtype):
     """A 200-token prompt, then 20 single-token steps over the cache (the 128-token windows slide)."""
     config = gpu_config(family)
     check_incremental(config, dtype, token_ids(config, 2, 220, "cuda"), prompt=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_left_padded_batch_on_gpu(kernels, family, dtype):
+    """Prompts of 220, 150 and 41 tokens left-padded to 220, then 20 decode steps: stage 10's varlen kernel on
+    the real rows (windows of 128 slide over the prompt), next to eager at every real position."""
+    config = gpu_config(family)
+    ids = token_ids(config, 3, 240, "cuda")
+    check_padded(config, dtype, ids, padded_mask(ids, (0, 70, 179)), prompt=220)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_generate_with_a_left_padded_batch(kernels, family):
+    """``generate`` on prompts of 100 and 61 tokens, left-padded: each greedy token is the float32 model's best
+    choice for that prompt alone, or within 0.1 of it (a near tie that fp16 rounding may break either way)."""
+    config = gpu_config(family)
+    reference = build(config, "cuda")
+    model = models.in_dtype(reference, torch.float16, "course")
+    prompts = [token_ids(config, 1, n, "cuda")[0] for n in (100, 61)]
+    ids = torch.zeros(2, 100, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for b, prompt in enumerate(prompts):
+        ids[b, 100 - len(prompt):], mask[b, 100 - len(prompt):] = prompt, 1
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                   pad_token_id=0)[:, 100:]
+        for b, prompt in enumerate(prompts):
+            logits = reference(torch.cat([prompt, generated[b]])[None]).logits[0, len(prompt) - 1:-1].float()
+            chosen = logits.gather(1, generated[b][:, None])[:, 0]
+            gap = logits.max(dim=1).values - chosen
+            assert (gap <= 0.1).all(), (f"{family}: prompt {b}'s token {int(gap.argmax())} of 8 is "
+                                        f"{float(gap.max()):.3f} below the float32 model's best choice")
 
 
 @pytest.mark.gpu

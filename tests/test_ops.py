@@ -135,3 +135,32 @@ def test_both_ops_replay_in_a_cuda_graph(backed_by, impl):
                                          window_size=(5, -1), sink_logits=options["sink_logits"])
         inputs = dict(q=dq, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=None)
         testing.assert_decode_matches(decode_out, inputs, f"replay {replay}", **decode_options)
+
+
+def varlen_inputs(device="cpu", dtype=torch.bfloat16, page_size=16):
+    inputs = testing.random_varlen_inputs([5, 0, 17], [9, 3, 40], 8, 2, 64, dtype, page_size=page_size, device="cpu")
+    args = tuple(inputs[name].to(device) if inputs[name] is not None else None
+                 for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"))
+    options = dict(seqused_k=inputs["seqused_k"].to(device), block_table=inputs["block_table"].to(device),
+                   sink_logits=torch.randn(8, device=device), softmax_scale=0.1, causal=True, window_size_left=5)
+    return (*args, inputs["max_seqlen_q"], inputs["max_seqlen_k"]), options
+
+
+def test_attention_varlen_op(backed_by):
+    """course::attention_varlen (stage 10): the fake gives O's shape, and with the reference backing the op is
+    the float64 reference of each sequence on its own (paged cache, a sequence without queries)."""
+    backed_by(impl="reference")
+    args, options = varlen_inputs()
+    out = torch.ops.course.attention_varlen(*args, **options)
+    inputs = dict(q=args[0], k=args[1], v=args[2], cu_seqlens_q=args[3], cu_seqlens_k=None,
+                  seqused_k=options["seqused_k"], block_table=options["block_table"])
+    for b, q, k, v in testing.varlen_sequences(inputs):
+        rows = slice(*args[3][b:b + 2].tolist())
+        if q.shape[1]:
+            expected = reference.attention(q, k, v, softmax_scale=0.1, causal=True, window_size=(5, -1),
+                                           sink_logits=options["sink_logits"])[0]
+            torch.testing.assert_close(out[rows], expected.to(out.dtype), rtol=0, atol=0)
+    meta_args = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in args)
+    fake = torch.ops.course.attention_varlen(*meta_args, **{k: v.to("meta") if isinstance(v, torch.Tensor) else v
+                                                            for k, v in options.items()})
+    assert (fake.device.type, fake.shape) == ("meta", out.shape)

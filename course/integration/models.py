@@ -26,19 +26,28 @@ do it: the backend's mask (``visible_key_counts``) is ``None`` when every key
 the cache returns is real (DynamicCache), or the number of real keys per
 sequence when the cache has free slots (StaticCache).
 
+Padded batches (an attention mask with zeros, left or right padding, e.g.
+``generate`` on prompts of different lengths) run in eager mode on
+``course::attention_varlen`` (stage 10): the mask says which keys are real
+(``PaddedBatch``), the real queries and keys are packed, and the output is
+scattered back, zeros at the padding. Packed sequences (several in one row,
+with transformers' ``cu_seq_lens_q``/``cu_seq_lens_k``, as
+``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them) go
+to the same op directly.
+
 What the backend cannot do raises instead of giving a wrong answer: padded
-batches (an attention mask with zeros; under torch.compile or CUDA-graph
-capture, an assertion in the graph with the same message), any other mask than causal or
-sliding-window (custom 4D masks, bidirectional blocks, packed sequences in
-eager mode), dropout, returning attention weights, soft-capping, non-causal
-attention, and a backward pass. Packed sequences under torch.compile cannot be
-told apart from one sequence without reading the positions, and are not
-detected there.
+batches under torch.compile or CUDA-graph capture (an assertion in the graph),
+any other mask than causal or sliding-window (custom 4D masks, bidirectional
+blocks, packed sequences without ``cu_seq_lens_q``/``cu_seq_lens_k``), dropout, returning
+attention weights, soft-capping, non-causal attention, and a backward pass.
+Packed sequences under torch.compile cannot be told apart from one sequence
+without reading the positions, and are not detected there.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
@@ -60,17 +69,28 @@ NAME = "course"
 UNSUPPORTED_KWARGS = {
     "output_attentions": "returning attention weights (output_attentions=True)",
     "softcap": "logit soft-capping",
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q/k)",
-    "cu_seq_lens_k": "packed sequences (cu_seq_lens_q/k)",
 }
 OTHER_BACKENDS = "use attn_implementation='eager' or 'sdpa' for it"
 
 
 # --8<-- [start:mask]
+@dataclass(frozen=True)
+class PaddedBatch:
+    """The backend's mask for a batch with padding: which keys the cache returns are real tokens
+    (``real_keys`` bool [B, kv_length]), and the key index of the forward's first query."""
+
+    real_keys: torch.Tensor
+    first_query: int
+
+
+PACKED_ROWS = "packed rows"  # the mask of several sequences in one row: the layer needs cu_seq_lens_q/k
+
+
 def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
                        allow_is_causal_skip=True, use_vmap=False, device=None, **kwargs):
     """The backend's "mask": the number of real keys per sequence (int32 [B]), which is the decode
-    kernel's ``cache_seqlens``, or None for a prompt whose keys are all real.
+    kernel's ``cache_seqlens``, or None for a prompt whose keys are all real; a ``PaddedBatch`` when the
+    attention mask has padding (eager mode).
 
     transformers calls it once per forward and mask type (full, sliding) with
     the cache's sizes: ``q_offset`` tokens were cached before this forward, and
@@ -79,7 +99,10 @@ def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     GPU, so a CUDA graph of a decode step replays with the right lengths). A
     decode step always gets the counts, made here once for every layer.
     """
-    reject_masks(q_length, attention_mask, allow_is_causal_skip, use_vmap)
+    if packed_rows(q_length, allow_is_causal_skip, use_vmap):
+        return PACKED_ROWS
+    if has_padding(attention_mask):
+        return padded_batch(attention_mask, q_offset, kv_offset, kv_length)
     real = q_offset + q_length - kv_offset
     if not isinstance(real, torch.Tensor):
         if real == kv_length and q_length > 1:
@@ -89,26 +112,37 @@ def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
 # --8<-- [end:mask]
 
 
-def reject_masks(q_length, attention_mask, allow_is_causal_skip, use_vmap) -> None:
-    """Raise for what a causal or sliding-window kernel cannot compute: padding, mask functions, packing."""
+def padded_batch(attention_mask, q_offset, kv_offset, kv_length) -> PaddedBatch:
+    """The 2D mask [B, tokens seen] cut to the keys the cache returns (tokens kv_offset onwards; a
+    StaticCache's free slots past the seen tokens are not real)."""
+    real = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
+    if real.shape[1] < kv_length:
+        real = torch.nn.functional.pad(real, (0, kv_length - real.shape[1]), value=False)
+    return PaddedBatch(real, int(q_offset) - kv_offset)
+
+
+def packed_rows(q_length, allow_is_causal_skip, use_vmap) -> bool:
+    """Does transformers ask for a mask a causal kernel cannot give (raising), or for packed rows?"""
     if use_vmap:
         raise NotImplementedError(f"the course backend computes causal and sliding-window masks only; this model "
                                   f"adds a mask function (e.g. bidirectional image tokens): {OTHER_BACKENDS}")
-    if not allow_is_causal_skip and q_length > 1 and not is_tracing():
-        raise NotImplementedError("the course backend computes causal and sliding-window masks only; transformers "
-                                  f"asked for another mask (e.g. packed sequences in one row): {OTHER_BACKENDS}")
+    return not allow_is_causal_skip and q_length > 1 and not is_tracing()
+
+
+def has_padding(attention_mask) -> bool:
+    """Whether the 2D mask has a zero. Under torch.compile or CUDA-graph capture the answer would need a
+    host read: padding is refused there with an assertion in the graph instead."""
     if attention_mask is None:
-        return
-    message = ("the course backend does not support padded batches: the attention mask has padding (zeros). "
-               f"Run sequences of equal length without padding, or {OTHER_BACKENDS}")
+        return False
     if is_tracing(attention_mask):
-        torch._assert_async(attention_mask.all(), message)
-    elif not bool(attention_mask.all()):
-        raise ValueError(message)
+        torch._assert_async(attention_mask.all(), "the course backend does not support padded batches under "
+                                                  f"torch.compile or CUDA-graph capture; run it eagerly, or {OTHER_BACKENDS}")
+        return False
+    return not bool(attention_mask.all())
 
 
 def reject_unsupported(module, attention_mask, dropout, kwargs) -> None:
-    if attention_mask is not None and attention_mask.dim() != 1:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 1:
         raise NotImplementedError(f"the course backend takes no explicit attention mask (got one of shape "
                                   f"{tuple(attention_mask.shape)}): {OTHER_BACKENDS}")
     if dropout:
@@ -136,11 +170,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     """
     reject_unsupported(module, attention_mask, dropout, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views, no copy
-    features = dict(softmax_scale=scaling, sink_logits=None if s_aux is None else s_aux.float().contiguous())
+    features = dict(softmax_scale=scaling, sink_logits=None if s_aux is None else s_aux.float().contiguous(),
+                    window_size_left=window_left(sliding_window))
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return packed(q, k, v, kwargs, **features), None
+    if attention_mask is PACKED_ROWS:
+        raise NotImplementedError("the course backend computes causal and sliding-window masks only; transformers "
+                                  "asked for another mask (e.g. packed sequences in one row without "
+                                  f"cu_seq_lens_q/k): {OTHER_BACKENDS}")
+    if isinstance(attention_mask, PaddedBatch):
+        return padded(q, k, v, attention_mask, **features), None
     if q.shape[1] == 1:
-        out = decode(q[:, 0], k, v, attention_mask, window_size_left=window_left(sliding_window), **features)
-        return out.unsqueeze(1), None
-    return prefill(q, k, v, attention_mask, window_size_left=window_left(sliding_window), **features), None
+        return decode(q[:, 0], k, v, attention_mask, **features).unsqueeze(1), None
+    return prefill(q, k, v, attention_mask, **features), None
 
 
 def decode(q, k, v, key_counts, **features):
@@ -172,6 +214,38 @@ def eager_inference(*tensors) -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def padded(q, k, v, batch: PaddedBatch, *, window_size_left, **features):
+    """A batch with padding: its real queries and keys packed, ``course::attention_varlen`` (causal, each
+    sequence's last query on its last key), and the output scattered back, zeros at the padding."""
+    real_q = batch.real_keys[:, batch.first_query:batch.first_query + q.shape[1]]
+    return varlen(q[real_q], k[batch.real_keys], v[batch.real_keys], real_q.sum(1), batch.real_keys.sum(1),
+                  window_size_left, features, scatter=real_q)
+
+
+def packed(q, k, v, kwargs, *, window_size_left, **features):
+    """Sequences packed in one row, with transformers' cu_seq_lens_q/k: ``course::attention_varlen`` directly."""
+    if q.shape[0] != 1:
+        raise NotImplementedError(f"packed sequences come in one row (batch 1); got batch {q.shape[0]}")
+    attention_varlen = ops.attention_varlen if eager_inference(q, k, v) else torch.ops.course.attention_varlen
+    out = attention_varlen(q[0], k[0], v[0], kwargs["cu_seq_lens_q"].int(), kwargs["cu_seq_lens_k"].int(),
+                               int(kwargs.get("max_length_q") or q.shape[1]),
+                               int(kwargs.get("max_length_k") or k.shape[1]), causal=True,
+                               window_size_left=window_size_left, **features)
+    return out[None]
+
+
+def varlen(q, k, v, queries, keys, window_size_left, features, *, scatter):
+    """``course::attention_varlen`` on packed rows whose sequences have ``queries`` and ``keys`` rows; the
+    output goes back to the rows ``scatter`` marks, zeros elsewhere."""
+    offsets = [torch.nn.functional.pad(n.cumsum(0), (1, 0)).to(torch.int32) for n in (queries, keys)]
+    attention_varlen = ops.attention_varlen if eager_inference(q, k, v) else torch.ops.course.attention_varlen
+    out = attention_varlen(q, k, v, *offsets, scatter.shape[1], k.shape[0], causal=True,
+                               window_size_left=window_size_left, **features)
+    full = out.new_zeros((*scatter.shape, *out.shape[1:]))
+    full[scatter] = out
+    return full
 # --8<-- [end:backend]
 
 
@@ -237,17 +311,27 @@ def in_dtype(model, dtype, attn_implementation: str):
     return copied
 
 
-def incremental_logits(model, ids, prompt: int, cache=None):
+def incremental_logits(model, ids, prompt: int, cache=None, attention_mask=None):
     """Logits [B, S - prompt + 1, V] at positions prompt - 1 ... S - 1 of ``ids`` [B, S]: the first ``prompt``
     tokens in one forward (prefill), then one token per forward over the KV cache (decode steps).
 
-    ``cache``: the transformers cache to fill (a DynamicCache when None).
+    ``cache``: the transformers cache to fill (a DynamicCache when None). ``attention_mask`` [B, S]: 0 at
+    padding; each forward gets the mask of the tokens so far and, as ``generate`` does, positions that
+    count real tokens only.
     """
     cache = cache if cache is not None else transformers.DynamicCache(config=model.config)
-    out = model(ids[:, :prompt], past_key_values=cache, use_cache=True)
-    logits = [out.logits[:, -1]]
+
+    def forward(start, end):
+        if attention_mask is None:
+            return model(ids[:, start:end], past_key_values=cache, use_cache=True)
+        mask = attention_mask[:, :end]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, start:end]
+        return model(ids[:, start:end], attention_mask=mask, position_ids=positions, past_key_values=cache,
+                     use_cache=True)
+
+    logits = [forward(0, prompt).logits[:, -1]]
     for i in range(prompt, ids.shape[1]):
-        logits.append(model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        logits.append(forward(i, i + 1).logits[:, -1])
     return torch.stack(logits, dim=1)
 
 

@@ -33,6 +33,7 @@ from course.testing import reference
 
 PREFILL_STAGE = 8  # the final prefill kernel (FA3-class)
 DECODE_STAGE = 9  # the final decode kernel (tensor cores, FP8 cache)
+VARLEN_STAGE = 10  # the variable-length and paged prefill kernel behind course::attention_varlen
 IMPLS = (*stages.IMPLS, "reference")
 
 
@@ -109,6 +110,30 @@ def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_tabl
                                       v_scale=v_scale).to(q.dtype)
 
 
+def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                               block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                               sink_logits=None, num_sink_tokens=0):
+    """course.testing.reference.attention on each sequence of a variable-length call; O in q's dtype."""
+    validation.check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale,
+                                   causal=causal, window_size=window_size, sink_logits=sink_logits,
+                                   num_sink_tokens=num_sink_tokens)
+    validation.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                                   block_table=block_table)
+    from course import testing
+
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    inputs = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                  block_table=block_table)
+    cu_q = cu_seqlens_q.tolist()
+    for b, q_b, k_b, v_b in testing.varlen_sequences(inputs):
+        if q_b.shape[1] and k_b.shape[1]:  # no key: O = 0 (a sink has no value)
+            out[cu_q[b]:cu_q[b + 1]] = reference.attention(
+                q_b, k_b, v_b, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)[0].to(q.dtype)
+    return out
+
+
 _functions = None  # (prefill, decode) of the current backing, resolved at the first call after a change
 
 
@@ -130,6 +155,13 @@ def prefill_function():
 def decode_function():
     """The ``decode_attention`` function the setting picks."""
     return (_functions or _resolve())[1]
+
+
+def varlen_function():
+    """The ``attention_varlen`` function the setting's impl picks (stage 10's)."""
+    if _backing.impl == "reference":
+        return reference_attention_varlen
+    return stages.get(VARLEN_STAGE).load(_backing.impl).attention_varlen
 
 
 # ---------------------------------------------------------------- the ops
@@ -189,8 +221,32 @@ def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, block_table=None,
     return q.new_empty(q.shape)
 
 
+_LIBRARY.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, "
+                "int max_seqlen_q, int max_seqlen_k, Tensor? seqused_k=None, Tensor? block_table=None, "
+                "Tensor? sink_logits=None, float? softmax_scale=None, bool causal=False, int window_size_left=-1, "
+                "int window_size_right=-1, int num_sink_tokens=0) -> Tensor")
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
+                     block_table=None, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
+                     window_size_right=-1, num_sink_tokens=0):
+    """Variable-length (and paged) prefill (docs/contract.md, stage 10): O [total_q, H_q, D_v], a new tensor."""
+    return varlen_function()(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                             block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                             window_size=(window_size_left, window_size_right), sink_logits=sink_logits,
+                             num_sink_tokens=num_sink_tokens)
+
+
+@torch.library.register_fake("course::attention_varlen")
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
+                           block_table=None, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
+                           window_size_right=-1, num_sink_tokens=0):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 # One kernel for every device: the stage's own checks say what a CPU tensor may and may not do.
 _LIBRARY.impl("attention", attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("attention_varlen", attention_varlen, "CompositeExplicitAutograd")
 _LIBRARY.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
 
 
@@ -210,4 +266,6 @@ def _nothing_to_save(ctx, inputs, output):
 torch.library.register_autograd("course::attention", _no_backward("course::attention"),
                                 setup_context=_nothing_to_save)
 torch.library.register_autograd("course::decode_attention", _no_backward("course::decode_attention"),
+                                setup_context=_nothing_to_save)
+torch.library.register_autograd("course::attention_varlen", _no_backward("course::attention_varlen"),
                                 setup_context=_nothing_to_save)

@@ -486,3 +486,163 @@ def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) ->
             b, p = (int(i) for i in bad[0])
             raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is not a page of the cache "
                              f"(0 <= page < {shape.num_pages}), and sequence {b} (length {int(lengths[b])}) uses it")
+
+
+# ---------------------------------------------------------------- variable-length prefill (stage 10)
+
+VARLEN_STAGE = (10, "variable-length and paged prefill")
+
+
+@dataclass(frozen=True)
+class VarlenShape:
+    batch: int
+    total_q: int
+    capacity_k: int   # the most keys one sequence can have: total_k, or max_pages * page_size
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    page_size: int    # 0 for packed K/V
+    num_pages: int    # 0 for packed K/V
+
+
+def _check_int_option(name: str, value, minimum: int = 0) -> None:
+    if not _is_int32(value, minimum):
+        raise ValueError(f"{name} must be an int from {minimum} to {INT32_MAX}; got {value!r}")
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                        block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
+                        num_sink_tokens=0, return_lse=False, out=None, page_size_multiple=16,
+                        head_dims=HEAD_DIMS_FROM_STAGE_8) -> VarlenShape:
+    """Validate the variable-length call's shapes, dtypes and options (never the offsets' values: see
+    ``check_varlen_values``); return the sizes.
+
+    Packed: q [total_q, H_q, D], k, v [total_k, H_kv, D] with cu_seqlens_q, cu_seqlens_k [B + 1] int32
+    (seqused_k [B] optional). Paged: k, v [num_pages, page_size, H_kv, D] with block_table [B, max_pages]
+    and seqused_k [B] int32, and cu_seqlens_k None.
+    """
+    packed = "[total_tokens, heads, head_dim]"
+    _check_tensor("q", q, rank=3, layout=packed)
+    paged = block_table is not None
+    kv_layout = ("[num_pages, page_size, heads_kv, head_dim] (a paged cache, with block_table)" if paged
+                 else f"{packed} (packed; for a paged cache [num_pages, page_size, heads_kv, head_dim] pass block_table)")
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(name, t, rank=4 if paged else 3, layout=kv_layout)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match in all but "
+                         "the head dim")
+    _check_not_empty("q", q.new_empty(1, *q.shape[1:]) if q.shape[0] == 0 else q, ("total_q", "H_q", "head_dim"))
+    _check_not_empty("k", k, ("num_pages", "page_size", "H_kv", "head_dim") if paged else ("total_k", "H_kv", "head_dim"))
+    h_q, d = q.shape[1:]
+    h_kv, d_k = k.shape[-2:]
+    d_v = v.shape[-1]
+    if d_k != d:
+        raise ValueError(f"q has head_dim {d} but k has head_dim {d_k}; they must match")
+    if (d, d_v) not in head_dims:
+        raise ValueError(f"{describe_dims(d, d_v)} is not supported; supported: {describe_head_dims(head_dims)}")
+    if h_q % h_kv:
+        raise ValueError(f"q has {h_q} heads and k/v have {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)")
+    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, rank=1, layout="[batch + 1] int32 offsets")
+    if cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q has shape {tuple(cu_seqlens_q.shape)}; expected [batch + 1] with batch >= 1 "
+                         "(offsets 0, len_0, len_0 + len_1, ...)")
+    b = cu_seqlens_q.shape[0] - 1
+    if paged:
+        if cu_seqlens_k is not None:
+            raise ValueError("a paged cache (block_table) takes seqused_k for the keys of each sequence; "
+                             "cu_seqlens_k must be None")
+        if seqused_k is None:
+            raise ValueError("a paged cache (block_table) needs seqused_k [batch] int32: how many keys each "
+                             "sequence has in its pages")
+        _check_index_tensor("block_table", block_table, rank=2, layout="[batch, max_pages] int32")
+        if block_table.shape[0] != b or block_table.shape[1] == 0:
+            raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected [batch, max_pages] = "
+                             f"[{b}, >= 1] (batch from cu_seqlens_q)")
+        num_pages, page_size = k.shape[:2]
+        if page_size % page_size_multiple:
+            raise ValueError(f"page size {page_size} (k.shape[1] of a paged cache) is not supported; it must be a "
+                             f"multiple of {page_size_multiple}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        if cu_seqlens_k is None:
+            raise ValueError("packed k and v need cu_seqlens_k [batch + 1] int32 (or pass a paged cache with "
+                             "block_table and seqused_k)")
+        _check_index_tensor("cu_seqlens_k", cu_seqlens_k, rank=1, layout="[batch + 1] int32 offsets")
+        if cu_seqlens_k.shape[0] != b + 1:
+            raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.shape[0]} entries but cu_seqlens_q has {b + 1}; "
+                             "both are [batch + 1]")
+        num_pages, page_size, capacity = 0, 0, k.shape[0]
+    if seqused_k is not None:
+        _check_index_tensor("seqused_k", seqused_k, rank=1, layout="[batch] int32")
+        if seqused_k.shape[0] != b:
+            raise ValueError(f"seqused_k has {seqused_k.shape[0]} entries; expected one per sequence ({b})")
+    _check_int_option("max_seqlen_q", max_seqlen_q)
+    _check_int_option("max_seqlen_k", max_seqlen_k)
+    _check_softmax_scale(softmax_scale)
+    _check_flag("causal", causal)
+    _check_flag("return_lse", return_lse)
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(_is_int32(w, -1) for w in window_size)):
+        raise ValueError(f"window_size must be a pair (left, right) of ints from -1 to {INT32_MAX} (-1 = unbounded); "
+                         f"got {window_size!r}")
+    check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
+    _check_sink_logits(sink_logits, h_q)
+    if out is not None:
+        _check_out(out, q, "q with v's head_dim", layout=packed, shape=(q.shape[0], h_q, d_v))
+    return VarlenShape(b, q.shape[0], capacity, h_q, h_kv, d, d_v, page_size, num_pages)
+
+
+def check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                        block_table=None) -> None:
+    """The offsets, lengths and pages of a variable-length call: read on the host (a synchronization).
+
+    cu_seqlens start at 0, never decrease and end within their tensor; no sequence is longer than
+    max_seqlen_q / max_seqlen_k; seqused_k within the sequence's keys; every page a sequence uses in the pool.
+    """
+    import torch
+
+    def offsets(name, cu, total, max_len, max_name):
+        values = cu.detach().to("cpu", torch.int64)
+        if values[0] != 0:
+            raise ValueError(f"{name}[0] = {int(values[0])}; offsets start at 0")
+        steps = values[1:] - values[:-1]
+        if (steps < 0).any():
+            i = int((steps < 0).nonzero()[0])
+            raise ValueError(f"{name} decreases at {i}: {int(values[i])} then {int(values[i + 1])}; offsets must "
+                             "not decrease (sequence i has length cu[i + 1] - cu[i])")
+        if values[-1] > total:
+            raise ValueError(f"{name}[-1] = {int(values[-1])}, but the tensor has {total} rows")
+        if len(steps) and steps.max() > max_len:
+            i = int(steps.argmax())
+            raise ValueError(f"sequence {i} has {int(steps[i])} rows by {name}, more than {max_name} = {max_len}")
+        return steps
+
+    offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    lengths = None
+    if cu_seqlens_k is not None:  # with seqused_k, max_seqlen_k bounds the keys used, not the rows
+        lengths = offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0],
+                          max_seqlen_k if seqused_k is None else INT32_MAX, "max_seqlen_k")
+    if seqused_k is not None:
+        used = seqused_k.detach().to("cpu", torch.int64)
+        limit = lengths if lengths is not None else torch.full_like(used, block_table.shape[1] * k.shape[1])
+        bad = ((used < 0) | (used > limit)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"seqused_k[{i}] = {int(used[i])}; expected 0 to {int(limit[i])} (the sequence's "
+                             + ("keys by cu_seqlens_k)" if lengths is not None else "pages x page_size)"))
+        if used.numel() and used.max() > max_seqlen_k:
+            i = int(used.argmax())
+            raise ValueError(f"seqused_k[{i}] = {int(used[i])} is more than max_seqlen_k = {max_seqlen_k}")
+        if block_table is not None:
+            page_size, num_pages = k.shape[1], k.shape[0]
+            table = block_table.detach().to("cpu", torch.int64)
+            needed = (used + page_size - 1) // page_size
+            in_use = torch.arange(table.shape[1])[None, :] < needed[:, None]
+            bad = (in_use & ((table < 0) | (table >= num_pages))).nonzero()
+            if len(bad):
+                i, p = (int(x) for x in bad[0])
+                raise ValueError(f"block_table[{i}, {p}] = {int(table[i, p])} is not a page of the cache "
+                                 f"(0 <= page < {num_pages}), and sequence {i} (seqused_k {int(used[i])}) uses it")

@@ -8,6 +8,7 @@ same inputs in the same precision. A kernel passes when its error is within
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -286,6 +287,116 @@ def assert_decode_matches(out, inputs: dict, where: str = "", lse=None, **featur
                                  f"{ref_lse[tuple(idx)].item()} (-inf exactly when no key and no sink)")
         finite = ~inf_ref
         err = (lse[finite] - ref_lse[finite]).abs()
+        if err.numel() and err.max().item() > LSE_TOLERANCE:
+            raise AssertionError(f"{where}: LSE differs from the reference by up to {err.max().item():.2e} "
+                                 f"(tolerance {LSE_TOLERANCE})")
+    return report
+
+
+# ---------------------------------------------------------------- variable-length prefill (stage 10)
+
+def random_varlen_inputs(lengths_q, lengths_k, heads_q, heads_kv, head_dim, dtype, *, page_size=None,
+                         head_dim_v=None, seqused=False, device="cuda", seed=0) -> dict:
+    """Fresh N(0, 1) inputs of ``attention_varlen``: sequence b has ``lengths_q[b]`` queries and
+    ``lengths_k[b]`` keys. Returns the keyword arguments of the call.
+
+    Packed (``page_size=None``): q, k, v packed back to back with cu_seqlens_q/k; with ``seqused``
+    every sequence gets 3 more key rows than it uses, NaN, and seqused_k. Paged: k, v are a pool of
+    shuffled pages [num_pages, page_size, H_kv, D] (two spare pages) with block_table (-1 past a
+    sequence's pages) and seqused_k; every slot no sequence owns is NaN, so a kernel that reads past
+    a sequence's keys produces NaN.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
+    lengths_q, lengths_k = [int(n) for n in lengths_q], [int(n) for n in lengths_k]
+    dv = head_dim if head_dim_v is None else head_dim_v
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    def offsets(lengths):
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+    total_q = sum(lengths_q)
+    inputs = dict(q=randn(total_q, heads_q, head_dim), cu_seqlens_q=offsets(lengths_q),
+                  max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    if page_size is None:
+        rows = [n + 3 for n in lengths_k] if seqused else lengths_k
+        k, v = randn(sum(rows), heads_kv, head_dim), randn(sum(rows), heads_kv, dv)
+        cu_k = offsets(rows)
+        if seqused:
+            for b, n in enumerate(lengths_k):
+                k[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
+                v[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
+        used = torch.tensor(lengths_k, dtype=torch.int32, device=device) if seqused else None
+        return dict(inputs, k=k, v=v, cu_seqlens_k=cu_k, seqused_k=used, block_table=None)
+    decode = random_decode_inputs(lengths_k, heads_kv, heads_kv, head_dim, dtype, page_size=page_size,
+                                  device=device, seed=seed + 1)
+    k, v = decode["k_cache"], decode["v_cache"]
+    if dv != head_dim:  # V's own head dim: the same pages, other values
+        v = torch.where(k[..., :1].isnan(), float("nan"), randn(*k.shape[:-1], dv))
+    return dict(inputs, k=k, v=v, cu_seqlens_k=None, seqused_k=decode["cache_seqlens"],
+                block_table=decode["block_table"])
+
+
+def varlen_sequences(inputs: dict):
+    """(b, q, k, v) of each sequence of an ``attention_varlen`` call, as [1, S, H, D] tensors."""
+    cu_q = inputs["cu_seqlens_q"].tolist()
+    used = inputs["seqused_k"].tolist() if inputs["seqused_k"] is not None else None
+    for b in range(len(cu_q) - 1):
+        q = inputs["q"][cu_q[b]:cu_q[b + 1]]
+        if inputs["block_table"] is not None:
+            k, v = reference.decode_keys_values(inputs["k"], inputs["v"], b, used[b], inputs["block_table"])
+        else:
+            start = int(inputs["cu_seqlens_k"][b])
+            end = start + used[b] if used is not None else int(inputs["cu_seqlens_k"][b + 1])
+            k, v = inputs["k"][start:end], inputs["v"][start:end]
+        yield b, q[None], k[None], v[None]
+
+
+def assert_varlen_matches(out, inputs: dict, where: str = "", lse=None, **features) -> ErrorReport:
+    """Fail with a readable message when an ``attention_varlen`` output (and LSE) is not what the float64
+    reference computes for each sequence on its own; the tolerance is PyTorch's error on the same sequences."""
+    assert_no_nan(out, where, "[row, h, d]",
+                  "The output was NaN before the launch and every cache slot past a sequence's keys is NaN: NaN means "
+                  "a row was never written (its sequence's last tile?), or a key past the sequence was read.")
+    ref, base = torch.zeros_like(out, dtype=torch.float32), torch.zeros_like(out, dtype=torch.float32)
+    ref_lse = torch.full(out.shape[1::-1], -math.inf)
+    cu_q = inputs["cu_seqlens_q"].tolist()
+    for b, q, k, v in varlen_sequences(inputs):
+        rows = slice(cu_q[b], cu_q[b + 1])
+        if q.shape[1] == 0:
+            continue
+        if k.shape[1] == 0:  # no key: O = 0, and LSE is the sink logit (or -inf without one)
+            sink = features.get("sink_logits")
+            o = q.new_zeros(1, q.shape[1], q.shape[2], v.shape[-1], dtype=torch.float64)
+            lse_b = (sink.float().view(-1, 1) if sink is not None else torch.full((q.shape[2], 1), -math.inf))
+            lse_b = lse_b.cpu().expand(q.shape[2], q.shape[1])[None]
+            base[rows] = 0.0
+        else:
+            o, lse_b = reference.attention(q, k, v, **features, return_lse=True)
+            base[rows] = torch_attention(q, k, v, **features)[0].float()
+        ref[rows] = o[0].float()
+        ref_lse[:, rows] = lse_b[0].cpu()
+    diff, base_diff = (out.float() - ref).abs(), (base - ref).abs()
+    report = ErrorReport(diff.max().item(), diff.mean().item(), base_diff.max().item(), base_diff.mean().item())
+    if not report.ok:
+        row, h, d = (int(i) for i in torch.unravel_index(diff.flatten().argmax().cpu(), out.shape))
+        b = max(i for i in range(len(cu_q) - 1) if cu_q[i] <= row)
+        raise AssertionError(f"{where}: output differs from the reference: {report}. Worst element at [row, h, d] = "
+                             f"{[row, h, d]}: row {row - cu_q[b]} of sequence {b}.")
+    if lse is not None:
+        if tuple(lse.shape) != tuple(ref_lse.shape) or lse.dtype != torch.float32:
+            raise AssertionError(f"{where}: LSE has shape {tuple(lse.shape)} and dtype {lse.dtype}; expected "
+                                 f"[H_q, total_q] = {list(ref_lse.shape)} float32")
+        lse = lse.cpu()
+        if torch.isnan(lse).any():
+            raise AssertionError(f"{where}: LSE has NaN at [h, row] = {torch.isnan(lse).nonzero()[0].tolist()}")
+        inf_ref, inf_out = torch.isneginf(ref_lse), torch.isneginf(lse)
+        if not torch.equal(inf_ref, inf_out):
+            idx = (inf_ref != inf_out).nonzero()[0].tolist()
+            raise AssertionError(f"{where}: LSE at [h, row] = {idx} is {lse[tuple(idx)].item()}, the reference "
+                                 f"{ref_lse[tuple(idx)].item()} (-inf exactly when no key and no sink)")
+        err = (lse[~inf_ref] - ref_lse[~inf_ref]).abs()
         if err.numel() and err.max().item() > LSE_TOLERANCE:
             raise AssertionError(f"{where}: LSE differs from the reference by up to {err.max().item():.2e} "
                                  f"(tolerance {LSE_TOLERANCE})")

@@ -33,3 +33,17 @@ def decode(decode_attention, *, lengths, heads_q: int = 32, heads_kv: int = 8, h
     out = decode_attention(**inputs, **features)
     torch.cuda.synchronize()
     print(f"decode output {tuple(out.shape)}: {testing.compare_decode_with_reference(out, **inputs, **features)}")
+
+
+def varlen(attention_varlen, *, lengths_q=(300, 1, 1000, 0), lengths_k=(1000, 5, 1000, 17), heads_q: int = 8,
+           heads_kv: int = 2, head_dim: int = 128, page_size=64, **features):
+    """Run the variable-length stage once on a ragged batch over a paged cache and print its error next to PyTorch's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
+    inputs = testing.random_varlen_inputs(lengths_q, lengths_k, heads_q, heads_kv, head_dim, torch.float16,
+                                          page_size=page_size)
+    out = attention_varlen(**inputs, **features)
+    torch.cuda.synchronize()
+    print(f"varlen output {tuple(out.shape)}: {testing.assert_varlen_matches(out, inputs, 'demo', **features)}")

@@ -21,7 +21,7 @@ def consecutive_pairs():
     prefill = [s for s in STAGES if s.ready and s.kind == "prefill"]
     by_number = {s.number: s for s in prefill}
     return [(by_number[after.starts_from] if after.starts_from else before, after)
-            for before, after in zip(prefill, prefill[1:])]
+            for before, after in zip(prefill, prefill[1:]) if after.diffed]
 
 
 def diff_path(before, after):

@@ -1,0 +1,208 @@
+"""Stage 10 checks: every prefill check of stages 1-8 on the variable-length kernel (``attention`` runs
+[B, S, H, D] as B packed sequences), then what packing and paging add: ragged batches with sequences of
+0, 1 and tile multiples +- 1 rows, packed, with seqused_k and paged K/V (cache slots past a sequence
+NaN), every head dim, the masks, sinks and LSE per sequence, the validation of the new arguments,
+identical bits over 200 launches and CUDA-graph replay with other lengths.
+"""
+
+import pytest
+import torch
+
+from course import testing
+from course.runtime import stages, validation, varlen
+from prefill_checks import *  # noqa: F401,F403  (the shared checks, collected here)
+from test_stage04_masking import test_masks_match_reference, test_masks_with_gqa  # noqa: F401
+from test_stage04_masking import test_rows_without_visible_keys_are_zero  # noqa: F401
+from test_stage05_sinks import test_extreme_sink_logits, test_only_sink_token_visible  # noqa: F401
+from test_stage05_sinks import test_sinks_match_reference  # noqa: F401
+from test_stage06_lse import test_lse_matches_reference  # noqa: F401
+from test_stage08_fa3_prefill import test_every_head_dim, test_many_tiles_per_cta  # noqa: F401
+
+STAGE = stages.get(10)
+LENGTHS = testing.MULTI_TILE_LENGTHS
+
+
+# ---------------------------------------------------------------- validation (CPU)
+
+def cpu_varlen(lengths_q=(5, 3), lengths_k=(7, 2), page_size=None, **changes):
+    inputs = testing.random_varlen_inputs(lengths_q, lengths_k, 4, 2, 64, torch.float16, page_size=page_size,
+                                          device="cpu")
+    return {**inputs, **changes}
+
+
+def offsets(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+BAD_VARLEN = {
+    "cpu-device": (lambda: cpu_varlen(), ValueError, "CUDA"),
+    "q-rank": (lambda: cpu_varlen(q=torch.zeros(1, 8, 4, 64, dtype=torch.float16)), ValueError, "rank 3"),
+    "cu-dtype": (lambda: cpu_varlen(cu_seqlens_q=offsets(0, 5, 8).long()), TypeError, "int32"),
+    "cu-batch": (lambda: cpu_varlen(cu_seqlens_k=offsets(0, 9)), ValueError, r"batch \+ 1"),
+    "cu-one-entry": (lambda: cpu_varlen(cu_seqlens_q=offsets(0)), ValueError, "batch >= 1"),
+    "no-cu-k": (lambda: cpu_varlen(cu_seqlens_k=None), ValueError, "cu_seqlens_k"),
+    "paged-with-cu-k": (lambda: cpu_varlen(page_size=16, cu_seqlens_k=offsets(0, 7, 9)), ValueError, "must be None"),
+    "paged-no-seqused": (lambda: cpu_varlen(page_size=16, seqused_k=None), ValueError, "seqused_k"),
+    "page-size": (lambda: cpu_varlen(page_size=24), ValueError, "multiple of 16"),
+    "table-rows": (lambda: cpu_varlen(page_size=16, block_table=torch.zeros(3, 1, dtype=torch.int32)), ValueError,
+                   r"\[batch, max_pages\]"),
+    "seqused-size": (lambda: cpu_varlen(seqused_k=torch.zeros(3, dtype=torch.int32)), ValueError, "one per sequence"),
+    "max-seqlen": (lambda: cpu_varlen(max_seqlen_q=-1), ValueError, "max_seqlen_q"),
+    "head-dim": (lambda: cpu_varlen(q=torch.zeros(8, 4, 72, dtype=torch.float16)), ValueError, "head_dim 72"),
+    "out-shape": (lambda: cpu_varlen(out=torch.zeros(8, 4, 32, dtype=torch.float16)), ValueError, "out has shape"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_VARLEN))
+def test_bad_varlen_input_is_rejected_before_launch(stage, name):
+    """Each wrong argument of attention_varlen fails on the CPU with a message that names it."""
+    make, error, message = BAD_VARLEN[name]
+    with pytest.raises(error, match=message):
+        stage.attention_varlen(**make())
+
+
+def test_page_rows_divide_tile_and_page(stage):
+    """A paged copy never crosses a page or a KV tile, and is whole 16-row pieces (the swizzle's 8-row atoms)."""
+    for tiles in stage.TILES.values():
+        for page_size in range(16, 513, 16):
+            rows = varlen.page_rows(tiles.tile_n, page_size)
+            assert tiles.tile_n % rows == 0 and page_size % rows == 0 and rows % 16 == 0, (tiles, page_size)
+
+
+def test_check_varlen_values(stage):
+    """What check_lengths=True checks on the host: offsets from 0, never decreasing, within the tensor and
+    max_seqlen; pages within the pool."""
+    inputs = cpu_varlen()
+    for bad, message in [(dict(cu_seqlens_q=offsets(0, 6, 5)), "decreases"),
+                         (dict(cu_seqlens_q=offsets(1, 5, 8)), "start at 0"),
+                         (dict(cu_seqlens_k=offsets(0, 7, 10)), "tensor has 9 rows"),
+                         (dict(max_seqlen_q=4), "more than max_seqlen_q"),
+                         (dict(page_size=16), None)]:
+        case = cpu_varlen(page_size=16) if "page_size" in bad else {**inputs, **bad}
+        if message is None:  # a page outside the pool
+            case["block_table"] = case["block_table"].clone()
+            case["block_table"][0, 0] = 99
+            message = "not a page of the cache"
+        with pytest.raises(ValueError, match=message):
+            validation.check_varlen_values(case["q"], case["k"], case["cu_seqlens_q"], case["cu_seqlens_k"],
+                                           case["max_seqlen_q"], case["max_seqlen_k"], seqused_k=case["seqused_k"],
+                                           block_table=case["block_table"])
+
+
+# ---------------------------------------------------------------- numerics (Hopper GPU)
+
+# Ragged batches: empty sequences, one row, tile multiples +- 1 (both Q tiles of 128 rows and KV tiles),
+# S_q > S_k and S_q < S_k, one long sequence among short ones.
+RAGGED = {
+    "mixed": ([300, 1, 128, 0, 77, 129], [300, 5, 128, 10, 1000, 127]),
+    "tile-edges": ([127, 128, 129, 255, 256, 257], [129, 128, 127, 257, 256, 255]),
+    "one-long": ([2000, 3, 1, 40], [3000, 3, 700, 0]),
+    "chunked-prefill": ([512, 100, 7], [4000, 1100, 300]),    # a chunk against its sequence's whole prefix
+    "speculative": ([4, 4, 2, 8, 1], [1000, 37, 2, 4096, 129]),  # 1-8 query tokens against the cache
+}
+LAYOUTS = {"packed": {}, "seqused": {"seqused": True}, "paged16": {"page_size": 16}, "paged64": {"page_size": 64},
+           "paged256": {"page_size": 256}}
+VARLEN_FEATURES = {
+    "none": {},
+    "causal": dict(causal=True),
+    "window-sinks-lse": dict(window_size=(100, 3), num_sink_tokens=4, sinks=True, return_lse=True),
+}
+
+
+def run_varlen(stage, inputs, features, where, heads_q=8):
+    """One attention_varlen call with a NaN-poisoned out, checked sequence by sequence against the reference."""
+    options = dict(features)
+    return_lse = options.pop("return_lse", False)
+    if options.pop("sinks", False):
+        options["sink_logits"] = torch.linspace(-1.0, 2.0, heads_q, device="cuda")
+    out = torch.full((*inputs["q"].shape[:2], inputs["v"].shape[-1]), float("nan"), device="cuda",
+                     dtype=inputs["q"].dtype)
+    result = stage.attention_varlen(**inputs, out=out, return_lse=return_lse, check_lengths=True, **options)
+    torch.cuda.synchronize()
+    assert (result[0] if return_lse else result) is out
+    return testing.assert_varlen_matches(out, inputs, where, lse=result[1] if return_lse else None, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("features", list(VARLEN_FEATURES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("batch", list(RAGGED))
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
+def test_varlen_matches_reference(stage, batch, layout, features, dtype):
+    """Each ragged batch, packed, with seqused_k and paged: every sequence as if it were alone (GQA 8/2)."""
+    lengths_q, lengths_k = RAGGED[batch]
+    inputs = testing.random_varlen_inputs(lengths_q, lengths_k, 8, 2, 128, dtype, seed=len(batch),
+                                          **LAYOUTS[layout])
+    run_varlen(stage, inputs, VARLEN_FEATURES[features], f"stage 10, {batch}, {layout}, {features}, {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["packed", "paged16", "paged64"])
+@pytest.mark.parametrize("dims", list(validation.HEAD_DIMS_FROM_STAGE_8),
+                         ids=[f"d{d}" + (f"v{d_v}" if d_v != d else "") for d, d_v in validation.HEAD_DIMS_FROM_STAGE_8])
+def test_varlen_every_head_dim(stage, dims, layout):
+    """Every (D, D_v) with its own KV tile width (stage 8's TILES): paged copies of gcd(tile, page) rows, MQA."""
+    d, d_v = dims
+    for features in ({"causal": True}, VARLEN_FEATURES["window-sinks-lse"]):
+        inputs = testing.random_varlen_inputs([300, 1, 129], [1000, 47, 129], 8, 1, d, torch.bfloat16, seed=d,
+                                              head_dim_v=d_v, **LAYOUTS[layout])
+        run_varlen(stage, inputs, features, f"stage 10, D={d}, D_v={d_v}, {layout}, {features}")
+
+
+@pytest.mark.gpu
+def test_many_sequences(stage):
+    """More than 32 sequences (the scheduler's search takes 32 per step), most of them short, causal."""
+    gen = torch.Generator().manual_seed(3)
+    lengths_q = torch.randint(0, 300, (100,), generator=gen).tolist()
+    lengths_k = [n + int(extra) for n, extra in zip(lengths_q, torch.randint(0, 200, (100,), generator=gen))]
+    for layout in ("packed", "paged64"):
+        inputs = testing.random_varlen_inputs(lengths_q, lengths_k, 4, 4, 64, torch.float16, seed=4,
+                                              **LAYOUTS[layout])
+        for features in ({}, {"causal": True}):
+            run_varlen(stage, inputs, features, f"stage 10, 100 sequences, {layout}, {features}", heads_q=4)
+
+
+@pytest.mark.gpu
+def test_back_to_back_launches_give_identical_bits(stage):
+    """200 launches of a ragged paged batch: the scheduler, the paged loads and the bounded stores leave no race."""
+    inputs = testing.random_varlen_inputs([700, 1, 300, 129], [1500, 800, 300, 2000], 16, 4, 128, torch.float16,
+                                          page_size=64, seed=5)
+    first = stage.attention_varlen(**inputs, causal=True)
+    for launch in range(200):
+        out = stage.attention_varlen(**inputs, causal=True, out=testing.poisoned_like(first))
+        assert torch.equal(out, first), f"launch {launch + 2} of 200 differs from the first"
+    testing.assert_varlen_matches(first, inputs, "200 launches", causal=True)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_with_other_lengths(stage):
+    """One captured launch, replayed after the offsets and lengths change in place (same tensor sizes): the kernel
+    reads them on the GPU, so each replay computes the new batch."""
+    lengths = [([300, 200, 12], [600, 250, 1000]), ([1, 500, 11], [1, 1000, 49]), ([512, 0, 0], [512, 0, 1024])]
+    inputs = testing.random_varlen_inputs(*lengths[0], 8, 2, 128, torch.bfloat16, page_size=64, seed=6)
+    inputs["block_table"] = torch.arange(inputs["block_table"].numel(), dtype=torch.int32,
+                                         device="cuda").view_as(inputs["block_table"]) % inputs["k"].shape[0]
+    inputs["k"], inputs["v"] = (torch.randn_like(t) for t in (inputs["k"], inputs["v"]))  # every page owned: finite
+    out = torch.empty_like(inputs["q"])
+    stage.attention_varlen(**inputs, causal=True, out=out)  # compile and plan outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stage.attention_varlen(**inputs, causal=True, out=out)
+    for lengths_q, lengths_k in lengths[1:]:
+        inputs["cu_seqlens_q"].copy_(torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()]))
+        inputs["seqused_k"].copy_(torch.tensor(lengths_k))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = sum(lengths_q)
+        check = dict(inputs, q=inputs["q"][:rows], cu_seqlens_q=inputs["cu_seqlens_q"].clone())
+        testing.assert_varlen_matches(out[:rows], check, f"graph replay with {lengths_q}, {lengths_k}", causal=True)
+
+
+@pytest.mark.gpu
+def test_bad_lengths_fail_when_checked(stage):
+    """check_lengths=True reads the offsets on the host: a decreasing offset is a ValueError before the launch."""
+    inputs = testing.random_varlen_inputs([5, 3], [7, 2], 4, 2, 64, torch.float16)
+    inputs["cu_seqlens_q"] = torch.tensor([0, 6, 5], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="decreases"):
+        stage.attention_varlen(**inputs, check_lengths=True)
