@@ -46,7 +46,6 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from course.runtime import launch, varlen
-
 from solutions.stage08_fa3_prefill import (  # noqa: F401 (stage 8's kernel, solved: this stage adds to it)
     HEAD_DIMS,
     KV_STAGES,
@@ -327,7 +326,8 @@ class VarlenAttention(Attention):
         sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
         self.define_shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         one_stage = (None, None, 0)
-        # A paged copy fills page_rows rows of a K tile (rows are its mode 0) or V tile (mode 1).
+        # One copy's box in the ring: a whole KV tile (packed), or page_rows of its rows (paged; keys are
+        # mode 0 of a K tile, mode 1 of a V tile).
         k_copy = cute.composition(cute.slice_(sK_layout, one_stage), cute.make_layout(k_box, stride=(1, n)))
         v_copy = cute.composition(cute.slice_(sV_layout, one_stage), cute.make_layout(v_box, stride=(1, dv)))
         g2s = cpasync.CopyBulkTensorTileG2SOp()

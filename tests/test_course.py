@@ -732,3 +732,25 @@ def test_sdpa_baseline_selects_its_backend_outside_the_timed_call():
                                                   is_causal=True)
     assert torch.equal(outside, expected) and torch.equal(inside, expected)
     assert isinstance(bench.setting(lambda: None), contextlib.nullcontext)
+
+
+def test_ragged_rows_render_and_merge(tmp_path):
+    """Stage 10's variable-length rows (bench.json's "varlen") make its results table, next to FA4, and a
+    later run of them replaces theirs and keeps everything else."""
+    import json
+
+    shape = stages.RAGGED[0]
+    rows = [{"stage": stage, "kernel": kernel, "shape": {}, "label": shape.label, "ms": ms,
+             "tflops": shape.flops / ms / 1e9} for stage, kernel, ms in ((10, "stage 10", 6.0), (None, "FA4", 6.6))]
+    earlier = fake_decode_results([(32, 8)])
+    (tmp_path / "bench.json").write_text(json.dumps(earlier))
+    run = {"environment": earlier["environment"], "varlen": {"rows": rows}}
+    merged = results_page.merge_into(tmp_path, run)
+    keys = [sorted((r["label"], r["kernel"]) for r in part) for part in (merged["decode"]["rows"],
+                                                                       earlier["decode"]["rows"])]
+    assert keys[0] == keys[1] and merged["varlen"]["rows"] == rows
+    (tmp_path / "bench.json").write_text(json.dumps(merged))
+    results_page.render(tmp_path)
+    text = (tmp_path / results_page.stage_file(10)).read_text()
+    assert "Not measured yet" not in text and f"| {shape.label} | **stage 10** | 6.000 |" in text
+    assert "| 1.10x |" in text, "stage 10's row says how it compares with FA4 in the same rounds"

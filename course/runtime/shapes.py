@@ -100,3 +100,41 @@ class DecodeShape:
     def kv_bytes(self) -> int:
         """Bytes of K and V every decode kernel must read once (2 bytes per fp16/bf16 element)."""
         return 2 * self.batch * self.seqlen_k * self.heads_kv * self.head_dim * 2
+
+
+@dataclass(frozen=True)
+class RaggedShape:
+    """One variable-length benchmark (stage 10): sequences of their own lengths, packed back to back, with
+    K and V packed too or in a paged cache of ``page_size``-token pages (0: packed)."""
+
+    name: str
+    lengths_q: tuple
+    lengths_k: tuple
+    heads_q: int = 16
+    heads_kv: int = 16
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    causal: bool = True
+    page_size: int = 0
+
+    @property
+    def label(self) -> str:
+        layout = f"paged {self.page_size}" if self.page_size else "packed"
+        return (f"{self.name}, H_q={self.heads_q} H_kv={self.heads_kv} D={self.head_dim} {self.dtype}"
+                f"{' causal' if self.causal else ''}, {layout}")
+
+    @property
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the mask lets through, each sequence on its own (bottom-right aligned)."""
+        return sum(PrefillShape(1, 1, s_q, s_k, self.head_dim, causal=self.causal).visible_pairs
+                   for s_q, s_k in zip(self.lengths_q, self.lengths_k) if s_q and s_k)
+
+    @property
+    def flops(self) -> int:
+        """Two GEMMs per visible pair and query head: the useful work, whatever a kernel computes."""
+        return 4 * self.heads_q * self.head_dim * self.visible_pairs
+
+    @property
+    def decode_sized(self) -> bool:
+        """A few queries per sequence: a launch of microseconds, timed in CUDA graphs (host time aside)."""
+        return max(self.lengths_q) <= 16

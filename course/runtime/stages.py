@@ -7,10 +7,11 @@ it on, so a stage's kernel file holds only its kernel and its API.
 from __future__ import annotations
 
 import importlib
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from course.runtime.shapes import DecodeShape, PrefillShape
+from course.runtime.shapes import DecodeShape, PrefillShape, RaggedShape
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ("stages", "solutions")
@@ -37,6 +38,7 @@ class Stage:
     # False: the solution subclasses the kernel of the stage it starts from and imports the rest, so its
     # file already is the difference (course diffs writes no diff for it).
     diffed: bool = True
+    ragged_shapes: tuple = ()  # RaggedShape: the variable-length batches `course bench` times (stage 10)
 
     @property
     def module_name(self) -> str:
@@ -95,6 +97,21 @@ GROUPINGS = ((32, 32), (32, 8), (64, 8), (32, 2), (8, 1), (64, 1))
 DECODE_GROUPINGS = tuple(DecodeShape(b, length, h_q, h_kv, paged=paged) for h_q, h_kv in GROUPINGS
                          for paged in (False, True) for b in (1, 8, 64) for length in (4096, 32768, 131072))
 
+# Stage 10: 32 sequences with lengths drawn from 128-8192 (one seed), one long sequence among short ones,
+# chunked prefill against paged caches, and speculative decoding (a few query tokens against the cache).
+_LENGTHS = random.Random(0)
+_MIXED = tuple(_LENGTHS.randint(128, 8192) for _ in range(32))
+_ONE_LONG = (8192,) + (256,) * 31
+RAGGED = (
+    RaggedShape("32 sequences of 128-8192", _MIXED, _MIXED),
+    RaggedShape("32 sequences of 128-8192", _MIXED, _MIXED, causal=False),
+    RaggedShape("one of 8192, 31 of 256", _ONE_LONG, _ONE_LONG),
+    *(RaggedShape("4 chunks of 1024 after 15k", (1024,) * 4, (16384,) * 4, 32, 8, page_size=page)
+      for page in (0, 16, 64, 256)),
+    *(RaggedShape("2 chunks of 2048 after 62k", (2048,) * 2, (65536,) * 2, 32, 8, page_size=page) for page in (0, 64)),
+    *(RaggedShape(f"{b} x 4 draft tokens, 8k cache", (4,) * b, (8192,) * b, 32, 8, page_size=64) for b in (1, 8, 64)),
+)
+
 STAGES = [
     Stage(1, "single_tile", "Single-tile FMHA",
           "TMA loads, WGMMA for Q K^T and P V, softmax in registers, GQA", ready=True,
@@ -132,7 +149,7 @@ STAGES = [
           cpu_numerics=("online_softmax_update",)),
     Stage(10, "varlen_prefill", "Variable-length and paged prefill",
           "packed sequences of different lengths, a paged KV cache, a scheduler over ragged tiles",
-          ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False),
+          ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False, ragged_shapes=RAGGED),
 ]
 
 

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from course.runtime import stages
-from course.runtime.shapes import DecodeShape, PrefillShape
+from course.runtime.shapes import DecodeShape, PrefillShape, RaggedShape
 from course.tools import results as results_page
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "docs" / "results"
@@ -323,6 +323,92 @@ def bench_ablation(*, impl: str = "solutions", repeats: int = 50) -> list[dict]:
         kernels.update({name: (None, fn) for name, fn in baselines().items() if name != "SDPA flash"})
         rows += time_prefill_shape(shape, kernels, repeats)
     return rows
+
+
+# --8<-- [start:ragged]
+def fa4_varlen():
+    """FlashAttention-4's ``flash_attn_varlen_func`` on stage 10's inputs (packed, or a paged cache through
+    ``page_table``), None when it is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return None
+
+    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None, block_table=None,
+            causal=False):
+        try:
+            return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                                          page_table=block_table, causal=causal)
+        except Exception as error:  # a baseline that refuses the inputs is left out
+            raise RuntimeError(f"FlashAttention-4 does not run it: {type(error).__name__}: {error}") from error
+
+    return run
+
+
+def ragged_inputs(shape: RaggedShape) -> dict:
+    """``attention_varlen``'s arguments for ``shape``, random; a paged pool without NaN (FA4 reads every slot
+    of a page) and with every unused block-table entry pointing at page 0."""
+    import torch
+
+    from course import testing
+
+    inputs = testing.random_varlen_inputs(shape.lengths_q, shape.lengths_k, shape.heads_q, shape.heads_kv,
+                                          shape.head_dim, getattr(torch, shape.dtype), page_size=shape.page_size or None)
+    if shape.page_size:
+        inputs.update(k=torch.nan_to_num(inputs["k"]), v=torch.nan_to_num(inputs["v"]),
+                      block_table=inputs["block_table"].clamp(min=0))
+    return inputs
+
+
+def ragged_calls(shape: RaggedShape, inputs: dict, modules: dict) -> dict:
+    """{name: (stage, fn())} of one ragged shape: stage 10, FA4's varlen kernel, and (packed batches of
+    whole prompts) stage 8 on the batch padded to its longest sequence, or (a few draft tokens against a
+    cache) stage 9 decoding one token per sequence on the same cache. The comparisons have no stage
+    number: their rows belong to stage 10's table, not to stage 8's or 9's."""
+    import torch
+
+    calls = {"stage 10": (10, lambda: modules[10].attention_varlen(**inputs, causal=shape.causal))}
+    fa4 = fa4_varlen()
+    if fa4 is not None:
+        calls["FA4"] = (None, lambda: fa4(**inputs, causal=shape.causal))
+    dtype, batch = getattr(torch, shape.dtype), len(shape.lengths_q)
+    if shape.decode_sized and 9 in modules:
+        last = inputs["q"].view(batch, -1, shape.heads_q, shape.head_dim)[:, -1].contiguous()
+        calls["stage 9, one token"] = (None, lambda: modules[9].decode_attention(
+            last, inputs["k"], inputs["v"], inputs["seqused_k"], block_table=inputs["block_table"]))
+    elif not shape.page_size and 8 in modules:
+        padded = batch * max(shape.lengths_q) * shape.heads_q * shape.head_dim * 2
+        if padded < 4 << 30:  # the padded batch must fit next to everything else
+            q = torch.randn(batch, max(shape.lengths_q), shape.heads_q, shape.head_dim, device="cuda", dtype=dtype)
+            k = torch.randn(batch, max(shape.lengths_k), shape.heads_kv, shape.head_dim, device="cuda", dtype=dtype)
+            calls["stage 8, padded"] = (None, lambda: modules[8].attention(q, k, k, causal=shape.causal))
+    return calls
+
+
+def bench_ragged(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
+    """Stage 10's variable-length batches (``Stage.ragged_shapes``) next to FA4 and the stages they are
+    compared with, in the same rounds; decode-sized ones replayed in CUDA graphs."""
+    import torch
+
+    ragged = [n for n in stage_numbers if stages.get(n).ragged_shapes]
+    modules = {n: stages.get(n).load(impl) for n in (*ragged, 8, 9)}
+    rows = []
+    for number in ragged:
+        for shape in stages.get(number).ragged_shapes:
+            inputs = ragged_inputs(shape)
+            calls = ragged_calls(shape, inputs, modules)
+            fns = runnable({name: fn for name, (_, fn) in calls.items()}, shape.label,
+                           capture_graph if shape.decode_sized else called_once)
+            times = time_graphs(fns, repeats=repeats) if shape.decode_sized else time_in_rounds(fns, repeats=repeats)
+            for name, ms in times.items():
+                rows.append({"stage": calls[name][0], "kernel": name, "shape": asdict(shape), "label": shape.label,
+                             "ms": ms, "tflops": shape.flops / ms / 1e9})
+                print(f"  {name:>20} {shape.label}: {ms:.3f} ms, {rows[-1]['tflops']:.0f} TFLOP/s")
+            del fns, calls, inputs
+            torch.cuda.empty_cache()
+    return rows
+# --8<-- [end:ragged]
 
 
 def _save(fig, path: Path) -> None:
@@ -842,6 +928,8 @@ def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutio
         results["ablation"] = bench_ablation(impl=impl, repeats=repeats)
     if decode:
         results["decode"] = bench_decode(decode, impl=impl, repeats=repeats, groupings=groupings)
+    if any(stages.get(n).ragged_shapes for n in prefill):
+        results["varlen"] = {"rows": bench_ragged(prefill, impl=impl, repeats=repeats)}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = results_page.merge_into(out_dir, results)  # a partial run keeps every other row

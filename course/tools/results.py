@@ -104,6 +104,21 @@ def ablation_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def ragged_table(rows: list[dict]) -> list[str]:
+    """Stage 10's variable-length batches: one row per (batch, kernel), TFLOP/s of useful work, vs FA4."""
+    lines = ["| batch | kernel | time (ms) | TFLOP/s (useful work) | vs FA4 |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {_kernel(r)} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                     f"{_ratio(_time_of(rows, r['label'], PEER), r['ms'])} |")
+    return lines
+
+
+RAGGED_NOTE = ("TFLOP/s of useful work: 4 D H_q per (query, key) pair the mask lets through, each sequence on its "
+               "own, whatever a kernel computes (stage 8 on the batch padded to its longest sequence computes the "
+               "padding too). Batches of a few draft tokens per sequence are replayed in CUDA graphs, next to "
+               "stage 9 decoding one token per sequence on the same cache.")
+
+
 def _with_eager(rows: list[dict]) -> bool:
     """Were these decode rows also timed eagerly (runs from stage 9 on)?"""
     return any("eager_ms" in r for r in rows)
@@ -386,6 +401,11 @@ def tables(results: dict) -> str:
             lines += ["", "![Decode: effective K/V bandwidth of each kernel, per shape](results/bench-decode.png)"]
         for number in _stage_numbers(decode):
             lines += ["", f"### {stage_heading(number)}", "", *decode_stage_lines(results["decode"], number, "results")]
+    ragged = results.get("varlen", {}).get("rows", [])
+    if ragged:
+        lines += ["", "## Variable-length batches", "", RAGGED_NOTE, ""]
+        for number in _stage_numbers(ragged):
+            lines += [f"### {stage_heading(number)}", "", *ragged_table(_rows_of_stage(ragged, number)), ""]
     if not prefill and not decode:
         lines += ["", "No measurements yet: run `python -m course bench --out docs/results` on a Hopper GPU."]
     return "\n".join(lines) + "\n"
@@ -398,13 +418,16 @@ def stage_md(results: dict, number: int) -> str:
     if stages.get(number).kind == "decode":
         lines += [decode_timing(results["decode"]), "", *decode_stage_lines(results["decode"], number, "../results")]
     else:
-        rows = _rows_of_stage(results["rows"], number)
+        rows = _rows_of_stage(results.get("rows", []), number)
         if number == 8 and any(in_sweep(r) for r in rows):
             lines += ["![TFLOP/s against sequence length, per head dim, causal or not](../results/bench-prefill.png)",
                       ""]
-        lines += prefill_table(rows)
+        lines += prefill_table(rows) if rows else []
         if number == 8 and results.get("ablation"):
             lines += ["", *ablation_section(results, "../results")]
+        ragged = _rows_of_stage(results.get("varlen", {}).get("rows", []), number)
+        if ragged:
+            lines += ["", RAGGED_NOTE, "", *ragged_table(ragged)]
     return "\n".join(lines) + "\n"
 
 
@@ -422,7 +445,8 @@ def bench_md(results: dict) -> str:
 
 
 def measured_stages(results: dict) -> list[int]:
-    return _stage_numbers(results.get("rows", []) + results.get("decode", {}).get("rows", []))
+    return _stage_numbers(results.get("rows", []) + results.get("decode", {}).get("rows", [])
+                          + results.get("varlen", {}).get("rows", []))
 
 
 def render(results_dir: Path | str = DEFAULT_DIR) -> str:
@@ -493,9 +517,13 @@ def merge(runs: list[dict]) -> dict:
         if run.get("decode"):
             decode = merged.setdefault("decode", {**run["decode"], "rows": []})
             decode["rows"] = merged_rows(decode["rows"], run["decode"]["rows"])
+        if run.get("varlen"):
+            varlen = merged.setdefault("varlen", {"rows": []})
+            varlen["rows"] = merged_rows(varlen["rows"], run["varlen"]["rows"])
     merged["rows"] = in_shape_order(merged["rows"])
-    if "decode" in merged:
-        merged["decode"]["rows"] = in_shape_order(merged["decode"]["rows"])
+    for part in ("decode", "varlen"):
+        if part in merged:
+            merged[part]["rows"] = in_shape_order(merged[part]["rows"])
     return merged
 
 
