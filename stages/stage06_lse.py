@@ -684,7 +684,8 @@ def merge_weights(lse_a: cutlass.Float32, lse_b: cutlass.Float32):
 
 
 class MergeStates:
-    """O, LSE = merge(O_a, LSE_a, O_b, LSE_b): one thread per 8 values (16 bytes) of a row."""
+    """O, LSE = merge(O_a, LSE_a, O_b, LSE_b): one thread per 8 values (16 bytes) of a row, as many whole
+    rows per CTA of 128 threads as fit (the threads left over at D = 80, 96, 192 idle)."""
 
     vec = 8
 
@@ -707,7 +708,7 @@ class MergeStates:
         s_block, head, batch = cute.arch.block_idx()
         row = s_block * self.rows_per_cta + tidx // self.threads_per_row
         chunk = tidx % self.threads_per_row
-        if row < mOa.shape[1]:
+        if row < mOa.shape[1] and tidx < self.rows_per_cta * self.threads_per_row:
             w_a, w_b, lse = merge_weights(mLa[batch, head, row], mLb[batch, head, row])
             o_a = cute.local_tile(mOa[batch, row, head, None], (self.vec,), (chunk,))
             o_b = cute.local_tile(mOb[batch, row, head, None], (self.vec,), (chunk,))
@@ -719,7 +720,9 @@ class MergeStates:
 # --8<-- [end:merge]
 
 
-MERGE_CONFIGS = [(dtype, d) for dtype in prefill.DTYPES for d in prefill.HEAD_DIMS]
+# O's head dims: every D_v of the prefill contract (stage 8 merges its own results with this kernel too).
+MERGE_HEAD_DIMS = tuple(sorted({d_v for _, d_v in validation.HEAD_DIMS_FROM_STAGE_8}))
+MERGE_CONFIGS = [(dtype, d) for dtype in prefill.DTYPES for d in MERGE_HEAD_DIMS]
 
 
 def merge_kernel_and_args(torch_dtype, head_dim: int):
@@ -747,7 +750,7 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, out=None):
     """
     import torch
 
-    validation.check_merge_inputs(o_a, lse_a, o_b, lse_b, out=out, head_dims=prefill.HEAD_DIMS)
+    validation.check_merge_inputs(o_a, lse_a, o_b, lse_b, out=out, head_dims=MERGE_HEAD_DIMS)
     validation.check_on_gpu(o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b, out=out)
     out = o_a.new_empty(o_a.shape) if out is None else out
     lse = torch.empty_like(lse_a)

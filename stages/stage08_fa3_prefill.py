@@ -58,7 +58,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from course.runtime import launch, prefill
 
-from .stage06_lse import MERGE_CONFIGS, cross_compile_merge, merge_attention_states  # noqa: F401 (stage 6's merge)
+from .stage06_lse import (  # noqa: F401 (stage 6's merge)
+    MERGE_CONFIGS,
+    MERGE_HEAD_DIMS,
+    cross_compile_merge,
+    merge_attention_states,
+)
 
 STAGE = 8
 KV_STAGES = 2  # buffers in each of the K and V rings

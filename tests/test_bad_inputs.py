@@ -179,7 +179,7 @@ MERGE_CASES = {  # name: (partials, changes, exception, what the message must sa
     "s-0": (dict(s=0), {}, ValueError, r"empty input: o_a .* S = 0"),
     "h-0": (dict(h=0), {}, ValueError, r"empty input: o_a .* H = 0"),
     "head_dim-0": (dict(d=0), {}, ValueError, r"empty input: o_a .* head_dim = 0"),
-    "head_dim-96": (dict(d=96), {}, ValueError, r"head_dim 96 is not supported"),
+    "head_dim-72": (dict(d=72), {}, ValueError, r"head_dim 72 is not supported"),
     "o-float32": (dict(dtype=torch.float32), {}, TypeError, r"o_a has dtype torch.float32"),
     "o_b-dtype": (dict(), dict(o_b=torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16)), TypeError,
                   r"o_a has dtype torch.float16 but o_b has torch.bfloat16"),
