@@ -936,3 +936,96 @@ def check_fragment_softmax(module, lengths: tuple[int, int], *, logit_scale: flo
     assert_rows_match(o, o_ref, where + " (O = acc_o / row_sum)")
     lse = (state[:, 0] + torch.log2(state[:, 1])) * LN_2
     assert_lse_matches(lse, lse_ref, where + " (LSE = row_max + log2(row_sum))")
+
+
+# ---------------------------------------------------------------- stage 10: locate, one warp in lockstep
+
+WARP = 32
+
+
+@contextmanager
+def warp_in_lockstep(module):
+    """Run a device function of one warp in plain Python, all 32 lanes at once: a per-lane value is a
+    numpy vector of 32 entries, a warp-uniform one a Python int. The warp instructions get stand-ins
+    that compute the same over the vectors (``shuffle_sync_up``, ``shuffle_sync``, ``vote_ballot_sync``,
+    ``popc``, ``lane_idx``), the runtime loop helpers become Python's, and the module's
+    ``warp_inclusive_sum`` a prefix sum. Only warp-uniform values may decide an ``if`` or a ``while``."""
+    import numpy as np
+
+    def vector(value):
+        return np.broadcast_to(np.asarray(value, dtype=np.int64), (WARP,))
+
+    def shuffle_up(value, offset, **_):
+        lanes = vector(value)
+        return np.concatenate([lanes[:offset], lanes[:WARP - offset]])
+
+    def ballot(predicate, **_):
+        bits = np.broadcast_to(np.asarray(predicate, dtype=bool), (WARP,))
+        return sum(1 << lane for lane in range(WARP) if bits[lane])
+
+    def python_range(*bounds, **_):
+        return range(*(int(b) for b in bounds))
+
+    stand_ins = [
+        (cute.arch, "lane_idx", lambda **_: np.arange(WARP)),
+        (cute.arch, "shuffle_sync_up", shuffle_up),
+        (cute.arch, "shuffle_sync", lambda value, lane, **_: int(vector(value)[int(lane)])),
+        (cute.arch, "vote_ballot_sync", ballot),
+        (cute.arch, "popc", lambda value, **_: bin(int(value) & 0xFFFFFFFF).count("1")),
+        (cutlass, "Boolean", bool), (cutlass, "Int32", int), (cutlass, "min", min), (cutlass, "max", max),
+        (cutlass, "range", python_range), (cutlass, "range_constexpr", python_range),
+        (module, "warp_inclusive_sum", lambda value: np.cumsum(vector(value))),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
+    try:
+        for owner, name, stand_in in stand_ins:
+            setattr(owner, name, stand_in)
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+class LaneScheduler:
+    """What ``locate`` reads of a ``VarlenTileScheduler``: the sequence count and each sequence's tiles
+    (its Q tiles times the heads), for a vector of sequences (0 past the last one)."""
+
+    def __init__(self, lengths_q, heads: int, tile_m: int):
+        import numpy as np
+
+        self.num_batch = len(lengths_q)
+        self.counts = np.array([-(-n // tile_m) * heads for n in lengths_q] + [0], dtype=np.int64)
+
+    def tiles_of(self, batch):
+        import numpy as np
+
+        batch = np.asarray(batch)
+        return self.counts[np.clip(batch, 0, self.num_batch)] * (batch < self.num_batch)
+
+
+def check_locate(module, lengths_q, heads: int = 3, tile_m: int = Q_TILE_ROWS) -> None:
+    """Your locate, one warp in lockstep on the CPU: for every linear tile (and a few past the last), the
+    sequence that holds it and that sequence's first tile, searched from the start (a CTA per tile) and
+    from the previous answer (a persistent CTA, whose tiles only grow)."""
+    scheduler = LaneScheduler(lengths_q, heads, tile_m)
+    starts, expected = 0, []
+    for b, count in enumerate(scheduler.counts[:-1]):
+        expected += [(b, starts)] * int(count)
+        starts += int(count)
+    locate = module.VarlenTileScheduler.locate.__wrapped__
+    where = f"{len(lengths_q)} sequences of {list(lengths_q)[:8]}{'...' if len(lengths_q) > 8 else ''} rows, {heads} heads"
+    with warp_in_lockstep(module):
+        for step in (0, 1, 5):  # 0: every tile searched from the start; else a persistent CTA's tiles
+            batch, batch_start = 0, 0
+            for tile in range(0, starts + 3, max(step, 1)):
+                if step == 0:
+                    batch, batch_start = 0, 0
+                batch, batch_start = (int(x) for x in locate(scheduler, tile, batch, batch_start))
+                if tile < starts:
+                    assert (batch, batch_start) == expected[tile], (
+                        f"{where}: locate(tile {tile}) gives sequence {batch} starting at tile {batch_start}; tile "
+                        f"{tile} is sequence {expected[tile][0]}'s, whose tiles start at {expected[tile][1]}")
+                else:
+                    assert batch == scheduler.num_batch, (
+                        f"{where}: tile {tile} is past the last tile ({starts - 1}); locate must give sequence "
+                        f"{scheduler.num_batch} (none), got {batch}")

@@ -14,6 +14,9 @@ from course.runtime import stages
 # stage 8's tile order: 60 (batch, head) pairs in groups of 32, so the last group is short
 SCHEDULE = dict(seqlen_q=1000, num_heads=20, num_batch=3, seqlen_k=777, head_dim=128, dtype_bytes=2, l2_bytes=50 << 20)
 
+# stage 10's search: more sequences than one warp step takes, empty ones among them
+LOCATE = [(i * 37) % 300 for i in range(75)]
+
 # name: (stage, the function, the mutations that plant the bug in it, a check that must fail). The bugs are
 # described by what they change, so that no test quotes a solution (tests/mutations.py).
 PLANTED = {
@@ -63,6 +66,12 @@ PLANTED = {
                                    lambda m: cpu_numerics.check_masks(m, dict(causal=True), [(513, 700)])),
     "left-cut-tiles-called-full": (8, "tile_is_partial", [SetValue("partial", "partial", nth=2)],
                                    lambda m: cpu_numerics.check_masks(m, dict(window_size=(300, 17)), [(513, 513)])),
+    "locate-the-lane-before": (10, "locate", [SetValue("found", "31 - cute.arch.popc(past)")],
+                               lambda m: cpu_numerics.check_locate(m, LOCATE)),
+    "locate-start-is-the-end": (10, "locate", [DropTerm("batch_start", "count")],
+                                lambda m: cpu_numerics.check_locate(m, LOCATE)),
+    "locate-one-sequence-per-step": (10, "locate", [SetValue("batch", "batch + 1", nth=1)],
+                                     lambda m: cpu_numerics.check_locate(m, LOCATE)),
 }
 
 

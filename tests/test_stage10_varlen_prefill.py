@@ -5,6 +5,7 @@ NaN), every head dim, the masks, sinks and LSE per sequence, the validation of t
 identical bits over 200 launches and CUDA-graph replay with other lengths.
 """
 
+import cpu_numerics
 import pytest
 import torch
 
@@ -206,3 +207,21 @@ def test_bad_lengths_fail_when_checked(stage):
     inputs["cu_seqlens_q"] = torch.tensor([0, 6, 5], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="decreases"):
         stage.attention_varlen(**inputs, check_lengths=True)
+
+
+# ---------------------------------------------------------------- the scheduler's search (CPU)
+
+LOCATE_BATCHES = {
+    "mixed": [300, 1, 128, 0, 77, 129],
+    "empty-first-and-last": [0, 0, 500, 0],
+    "all-empty": [0, 0, 0],
+    "over-32-sequences": [(i * 37) % 300 for i in range(75)],
+    "one-tile-each": [1] * 40,
+}
+
+
+@pytest.mark.parametrize("name", list(LOCATE_BATCHES))
+def test_on_cpu_locate(stage, name):
+    """Your locate, one warp in lockstep on the CPU (tests/cpu_numerics.py): every linear tile's sequence and
+    first tile, from the start and from the last answer; past the last tile, no sequence."""
+    cpu_numerics.check_locate(stage, LOCATE_BATCHES[name])

@@ -149,7 +149,8 @@ STAGES = [
           cpu_numerics=("online_softmax_update",)),
     Stage(10, "varlen_prefill", "Variable-length and paged prefill",
           "packed sequences of different lengths, a paged KV cache, a scheduler over ragged tiles",
-          ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False, ragged_shapes=RAGGED),
+          ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False, ragged_shapes=RAGGED,
+          cpu_numerics=("locate",)),
 ]
 
 
