@@ -943,13 +943,29 @@ def check_fragment_softmax(module, lengths: tuple[int, int], *, logit_scale: flo
 WARP = 32
 
 
+def plain_python_method(module, class_name: str, name: str):
+    """``class_name.name`` of ``module`` as a plain Python function, made afresh from the module's source
+    (decorators dropped), with its own copy of the module's globals: the DSL rewrites a jit function once it
+    has compiled it, and that rewrite only runs inside a trace."""
+    import ast
+
+    source = Path(module.__file__).read_text()
+    owner = next(node for node in ast.parse(source).body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    function = next(node for node in owner.body if isinstance(node, ast.FunctionDef) and node.name == name)
+    function.decorator_list = []
+    namespace = dict(vars(module))
+    code = compile(ast.Module(body=[ast.fix_missing_locations(function)], type_ignores=[]), module.__file__, "exec")
+    exec(code, namespace)
+    return namespace[name], namespace
+
+
 @contextmanager
-def warp_in_lockstep(module):
-    """Run a device function of one warp in plain Python, all 32 lanes at once: a per-lane value is a
-    numpy vector of 32 entries, a warp-uniform one a Python int. The warp instructions get stand-ins
-    that compute the same over the vectors (``shuffle_sync_up``, ``shuffle_sync``, ``vote_ballot_sync``,
-    ``popc``, ``lane_idx``), the runtime loop helpers become Python's, and the module's
-    ``warp_inclusive_sum`` a prefix sum. Only warp-uniform values may decide an ``if`` or a ``while``."""
+def warp_in_lockstep(namespace: dict):
+    """Run a device function of one warp in plain Python (``plain_python_method``), all 32 lanes at once: a
+    per-lane value is a numpy vector of 32 entries, a warp-uniform one a Python int. The warp instructions
+    get stand-ins that compute the same over the vectors (``shuffle_sync_up``, ``shuffle_sync``,
+    ``vote_ballot_sync``, ``popc``, ``lane_idx``), the runtime loop helpers become Python's, and the
+    function's ``warp_inclusive_sum`` a prefix sum. Only warp-uniform values may decide an ``if`` or a ``while``."""
     import numpy as np
 
     def vector(value):
@@ -974,8 +990,8 @@ def warp_in_lockstep(module):
         (cute.arch, "popc", lambda value, **_: bin(int(value) & 0xFFFFFFFF).count("1")),
         (cutlass, "Boolean", bool), (cutlass, "Int32", int), (cutlass, "min", min), (cutlass, "max", max),
         (cutlass, "range", python_range), (cutlass, "range_constexpr", python_range),
-        (module, "warp_inclusive_sum", lambda value: np.cumsum(vector(value))),
     ]
+    namespace["warp_inclusive_sum"] = lambda value: np.cumsum(vector(value))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
     try:
         for owner, name, stand_in in stand_ins:
@@ -1012,9 +1028,9 @@ def check_locate(module, lengths_q, heads: int = 3, tile_m: int = Q_TILE_ROWS) -
     for b, count in enumerate(scheduler.counts[:-1]):
         expected += [(b, starts)] * int(count)
         starts += int(count)
-    locate = module.VarlenTileScheduler.locate.__wrapped__
+    locate, namespace = plain_python_method(module, "VarlenTileScheduler", "locate")
     where = f"{len(lengths_q)} sequences of {list(lengths_q)[:8]}{'...' if len(lengths_q) > 8 else ''} rows, {heads} heads"
-    with warp_in_lockstep(module):
+    with warp_in_lockstep(namespace):
         for step in (0, 1, 5):  # 0: every tile searched from the start; else a persistent CTA's tiles
             batch, batch_start = 0, 0
             for tile in range(0, starts + 3, max(step, 1)):
