@@ -158,6 +158,14 @@ def _check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be True or False; got {value!r}")
 
 
+def _check_window_size(window_size) -> None:
+    """A pair (left, right) of 32-bit ints from -1 (-1: that side unbounded)."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(_is_int32(w, -1) for w in window_size)):
+        raise ValueError(f"window_size must be a pair (left, right) of ints from -1 to {INT32_MAX} (-1 = unbounded); "
+                         f"got {window_size!r}")
+
+
 def _check_sink_logits(sink_logits, heads_q: int) -> None:
     import torch
 
@@ -207,10 +215,7 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_
     _check_softmax_scale(softmax_scale)
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(_is_int32(w, -1) for w in window_size)):
-        raise ValueError(f"window_size must be a pair (left, right) of ints from -1 to {INT32_MAX} (-1 = unbounded); "
-                         f"got {window_size!r}")
+    _check_window_size(window_size)
     check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
     _check_sink_logits(sink_logits, h_q)
     if out is not None:
@@ -506,11 +511,6 @@ class VarlenShape:
     num_pages: int    # 0 for packed K/V
 
 
-def _check_int_option(name: str, value, minimum: int = 0) -> None:
-    if not _is_int32(value, minimum):
-        raise ValueError(f"{name} must be an int from {minimum} to {INT32_MAX}; got {value!r}")
-
-
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
                         block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
                         num_sink_tokens=0, return_lse=False, out=None, page_size_multiple=16,
@@ -579,15 +579,12 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         _check_index_tensor("seqused_k", seqused_k, rank=1, layout="[batch] int32")
         if seqused_k.shape[0] != b:
             raise ValueError(f"seqused_k has {seqused_k.shape[0]} entries; expected one per sequence ({b})")
-    _check_int_option("max_seqlen_q", max_seqlen_q)
-    _check_int_option("max_seqlen_k", max_seqlen_k)
+    check_int32("max_seqlen_q", max_seqlen_q, minimum=0)
+    check_int32("max_seqlen_k", max_seqlen_k, minimum=0)
     _check_softmax_scale(softmax_scale)
     _check_flag("causal", causal)
     _check_flag("return_lse", return_lse)
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(_is_int32(w, -1) for w in window_size)):
-        raise ValueError(f"window_size must be a pair (left, right) of ints from -1 to {INT32_MAX} (-1 = unbounded); "
-                         f"got {window_size!r}")
+    _check_window_size(window_size)
     check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
     _check_sink_logits(sink_logits, h_q)
     if out is not None:

@@ -18,7 +18,6 @@ sequences of one length.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from course.runtime import launch, prefill, validation
@@ -94,7 +93,6 @@ def cross_compile_config(kernel_class, config: VarlenConfig, *, stage: int, keep
 
 # ---------------------------------------------------------------- the calls
 
-CHECK_LENGTHS_DEFAULT = os.environ.get("COURSE_CHECK_LENGTHS", "") == "1"
 _PLANS: dict = {}
 
 
@@ -113,7 +111,7 @@ def attention_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens
         stage, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out))
-    if launch.check_device_values(CHECK_LENGTHS_DEFAULT if check_lengths is None else check_lengths):
+    if launch.check_device_values(check_lengths):
         validation.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        seqused_k=seqused_k, block_table=block_table)
     return run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out)
