@@ -260,6 +260,21 @@ def compare_decode_with_reference(out, *, q, k_cache, v_cache, cache_seqlens, bl
 LSE_TOLERANCE = 1e-3  # natural-log units; the kernels compute LSE in fp32 from fp16/bf16 scores
 
 
+def assert_lse_close(lse, ref_lse, where: str, index_names: str) -> None:
+    """An LSE against the reference's: no NaN, -inf exactly where the reference has it, within LSE_TOLERANCE."""
+    if torch.isnan(lse).any():
+        raise AssertionError(f"{where}: LSE has NaN at {index_names} = {torch.isnan(lse).nonzero()[0].tolist()}")
+    inf_ref, inf_out = torch.isneginf(ref_lse), torch.isneginf(lse)
+    if not torch.equal(inf_ref, inf_out):
+        idx = (inf_ref != inf_out).nonzero()[0].tolist()
+        raise AssertionError(f"{where}: LSE at {index_names} = {idx} is {lse[tuple(idx)].item()}, the reference "
+                             f"{ref_lse[tuple(idx)].item()} (-inf exactly when no key and no sink)")
+    err = (lse[~inf_ref] - ref_lse[~inf_ref]).abs()
+    if err.numel() and err.max().item() > LSE_TOLERANCE:
+        raise AssertionError(f"{where}: LSE differs from the reference by up to {err.max().item():.2e} "
+                             f"(tolerance {LSE_TOLERANCE})")
+
+
 def assert_decode_matches(out, inputs: dict, where: str = "", lse=None, **features) -> ErrorReport:
     """Fail with a readable message when a decode output (and LSE) is not what the reference computes."""
     assert_no_nan(out, where, "[b, h, d]",
@@ -278,18 +293,7 @@ def assert_decode_matches(out, inputs: dict, where: str = "", lse=None, **featur
         )
     if lse is not None:
         _, ref_lse = reference.decode_attention(**inputs, **features, return_lse=True)
-        if torch.isnan(lse).any():
-            raise AssertionError(f"{where}: LSE has NaN at [b, h] = {torch.isnan(lse).nonzero()[0].tolist()}")
-        inf_ref, inf_out = torch.isneginf(ref_lse), torch.isneginf(lse)
-        if not torch.equal(inf_ref, inf_out):
-            idx = (inf_ref != inf_out).nonzero()[0].tolist()
-            raise AssertionError(f"{where}: LSE at [b, h] = {idx} is {lse[tuple(idx)].item()}, the reference "
-                                 f"{ref_lse[tuple(idx)].item()} (-inf exactly when no key and no sink)")
-        finite = ~inf_ref
-        err = (lse[finite] - ref_lse[finite]).abs()
-        if err.numel() and err.max().item() > LSE_TOLERANCE:
-            raise AssertionError(f"{where}: LSE differs from the reference by up to {err.max().item():.2e} "
-                                 f"(tolerance {LSE_TOLERANCE})")
+        assert_lse_close(lse, ref_lse, where, "[b, h]")
     return report
 
 
@@ -389,15 +393,5 @@ def assert_varlen_matches(out, inputs: dict, where: str = "", lse=None, **featur
             raise AssertionError(f"{where}: LSE has shape {tuple(lse.shape)} and dtype {lse.dtype}; expected "
                                  f"[H_q, total_q] = {list(ref_lse.shape)} float32")
         lse = lse.cpu()
-        if torch.isnan(lse).any():
-            raise AssertionError(f"{where}: LSE has NaN at [h, row] = {torch.isnan(lse).nonzero()[0].tolist()}")
-        inf_ref, inf_out = torch.isneginf(ref_lse), torch.isneginf(lse)
-        if not torch.equal(inf_ref, inf_out):
-            idx = (inf_ref != inf_out).nonzero()[0].tolist()
-            raise AssertionError(f"{where}: LSE at [h, row] = {idx} is {lse[tuple(idx)].item()}, the reference "
-                                 f"{ref_lse[tuple(idx)].item()} (-inf exactly when no key and no sink)")
-        err = (lse[~inf_ref] - ref_lse[~inf_ref]).abs()
-        if err.numel() and err.max().item() > LSE_TOLERANCE:
-            raise AssertionError(f"{where}: LSE differs from the reference by up to {err.max().item():.2e} "
-                                 f"(tolerance {LSE_TOLERANCE})")
+        assert_lse_close(lse, ref_lse, where, "[h, row]")
     return report
