@@ -1045,3 +1045,136 @@ def check_locate(module, lengths_q, heads: int = 3, tile_m: int = Q_TILE_ROWS) -
                     assert batch == scheduler.num_batch, (
                         f"{where}: tile {tile} is past the last tile ({starts - 1}); locate must give sequence "
                         f"{scheduler.num_batch} (none), got {batch}")
+
+
+# ---------------------------------------------------------------- stage 11: a KV tile's Q tiles, P and dS
+
+def sdp_tiled_mma(module):
+    """S^T = K Q^T partitioned as stage 11 does it (sdp_mma): the (key, row) of each register."""
+    return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K, OperandMajorMode.K,
+                                             Float32, (module.MMA_WGS, 1, 1), (64, module.TILE_M))
+
+
+@cute.jit
+def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks: cutlass.Constexpr,
+                 scores: cute.Tensor, tiles: cute.Tensor, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                 left: Int32, right: Int32, num_sink_tokens: Int32):
+    """KeyTileMask of KV tile ``n_block`` on every register of every MMA thread, for each Q tile.
+
+    ``scores`` [TILE_N, m_blocks * TILE_M], zeros, gets -inf where ``apply_transposed`` masks;
+    ``tiles`` gets [m_block_min, m_block_max] (``m_block_range``), then ``tile_is_partial`` of each Q tile.
+    """
+    sdp_mma = sdp_tiled_mma(module)
+    mask = module.KeyTileMask(n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
+    m_block_min, m_block_max = mask.m_block_range()
+    tiles[0] = m_block_min
+    tiles[1] = m_block_max
+    tile_is_partial = mask.tile_is_partial
+    for m in cutlass.range_constexpr(m_blocks):
+        tiles[2 + m] = Int32(tile_is_partial(m))
+    apply = mask.apply_transposed
+    for m_block in range(m_blocks):
+        for thread in range(MMA_THREADS):
+            thr = sdp_mma.get_slice(thread)
+            acc = thr.make_fragment_C(thr.partition_shape_C((module.TILE_N, module.TILE_M)))
+            coord = thr.partition_C(cute.make_identity_tensor((module.TILE_N, module.TILE_M)))
+            acc.fill(0.0)
+            apply(acc, coord, m_block)
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                key, row = coord[i]
+                scores[key, m_block * module.TILE_M + row] = acc[i]
+
+
+def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
+    """KeyTileMask.m_block_range and apply_transposed for every KV tile against reference.visible_keys: the
+    Q tiles a KV tile visits are exactly those with a row that sees one of its keys, a tile that skips the
+    mask sees all of them, and the mask hides exactly the invisible (row, key) pairs."""
+    left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
+    sinks = features.get("num_sink_tokens", 0)
+    config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
+    tile_m, tile_n = module.TILE_M, module.TILE_N
+    m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
+    scores = torch.zeros(tile_n, m_blocks * tile_m)
+    tiles = torch.zeros(2 + m_blocks, dtype=torch.int32)
+    for s_q, s_k in lengths:
+        visible = reference.visible_keys(s_q, s_k, **features)
+        for n_block in range(_tiles(s_k, tile_n)):
+            scores.zero_()
+            args = (scores, tiles, n_block, s_q, s_k, left, right, sinks)
+            compile_on_cpu(mask_kv_tile, (module, config, m_blocks), args)(*args)
+            keys = visible[:, n_block * tile_n:(n_block + 1) * tile_n]  # [S_q, keys of this tile]
+            where = f"{mask_description(features)}, S_q={s_q}, S_k={s_k}, KV tile {n_block} of {tile_n} keys, " \
+                    f"Q tiles of {tile_m} rows"
+            seen = [m for m in range(_tiles(s_q, tile_m)) if keys[m * tile_m:(m + 1) * tile_m].any()]
+            m_min, m_max = tiles[0].item(), tiles[1].item()
+            expected = (seen[0], seen[-1] + 1) if seen else None
+            if (expected is None and m_min < m_max) or (expected is not None and (m_min, m_max) != expected):
+                raise AssertionError(f"m_block_range, {where}: the kernel visits Q tiles [{m_min}, {m_max}); the "
+                                     f"tiles with a row that sees a key of this KV tile are "
+                                     f"{'none' if expected is None else f'[{expected[0]}, {expected[1]})'}")
+            for m in range(m_min, m_max):
+                rows = keys[m * tile_m:(m + 1) * tile_m]
+                if not tiles[2 + m].item() and not rows.all():
+                    hidden = (~rows).nonzero()[0].tolist()
+                    raise AssertionError(f"tile_is_partial, {where}: Q tile {m} skips the mask, but row "
+                                         f"{m * tile_m + hidden[0]} may not see key {n_block * tile_n + hidden[1]}")
+                kept = scores[:keys.shape[1], m * tile_m:m * tile_m + rows.shape[0]].t() == 0
+                if tiles[2 + m].item() and not torch.equal(kept, rows):
+                    wrong = (kept != rows).nonzero()[0].tolist()
+                    row, key = m * tile_m + wrong[0], n_block * tile_n + wrong[1]
+                    raise AssertionError(f"apply_transposed, {where}: (row {row}, key {key}) is "
+                                         f"{'kept' if kept[tuple(wrong)] else 'masked'}; it should be "
+                                         f"{'visible' if rows[tuple(wrong)] else 'masked'}")
+
+
+@cute.jit
+def score_gradients(module: cutlass.Constexpr, s: cute.Tensor, dp: cute.Tensor, lse: cute.Tensor, d: cute.Tensor,
+                    scale_log2: Float32):
+    """probabilities_and_score_gradients on every MMA thread's registers: s [TILE_N, TILE_M] becomes P^T, dp dS^T."""
+    sdp_mma = sdp_tiled_mma(module)
+    gradients = module.probabilities_and_score_gradients  # (a runtime loop may not carry the module)
+    shape = (module.TILE_N, module.TILE_M)
+    for thread in range(MMA_THREADS):
+        thr = sdp_mma.get_slice(thread)
+        acc_s = thr.make_fragment_C(thr.partition_shape_C(shape))
+        acc_dp = thr.make_fragment_C(thr.partition_shape_C(shape))
+        coord = thr.partition_C(cute.make_identity_tensor(shape))
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            key, row = coord[i]
+            acc_s[i] = s[key, row]
+            acc_dp[i] = dp[key, row]
+        gradients(acc_s, acc_dp, coord, lse, d, scale_log2)
+        for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+            key, row = coord[i]
+            s[key, row] = acc_s[i]
+            dp[key, row] = acc_dp[i]
+
+
+def check_score_gradients(module) -> None:
+    """P^T = exp2(S^T scale log2(e) - LSE) and dS^T = P^T (dP^T - D) for each (key, row), against float64, with
+    masked scores (-inf) and a row that sees nothing (LSE +inf)."""
+    gen = torch.Generator().manual_seed(11)
+    tile_n, tile_m = module.TILE_N, module.TILE_M
+    s = torch.randn(tile_n, tile_m, generator=gen) * 3
+    s[:, 5] = -math.inf
+    s[7, :] = -math.inf
+    dp = torch.randn(tile_n, tile_m, generator=gen)
+    scale_log2 = 0.125 * math.log2(math.e)
+    lse = torch.logsumexp(s.double() * 0.125, dim=0).float() * math.log2(math.e)  # log2 units, per row (column)
+    lse[5] = math.inf  # the preprocess's value for a row without keys
+    d = torch.randn(tile_m, generator=gen)
+    p_expected = torch.exp2(s.double() * scale_log2 - lse.double())
+    ds_expected = p_expected * (dp.double() - d.double())
+    s_out, dp_out = s.clone(), dp.clone()
+    args = (s_out, dp_out, lse, d, scale_log2)
+    compile_on_cpu(score_gradients, (module,), args)(*args)
+    for name, got, expected in (("P^T", s_out, p_expected), ("dS^T", dp_out, ds_expected)):
+        if torch.isnan(got).any():
+            key, row = torch.isnan(got).nonzero()[0].tolist()
+            raise AssertionError(f"probabilities_and_score_gradients: {name} is NaN at (key {key}, row {row}) "
+                                 "(a masked score or a row without keys must give P = 0)")
+        err = (got.double() - expected).abs()
+        if err.max().item() > O_TOLERANCE:
+            key, row = [int(i) for i in torch.unravel_index(err.argmax(), err.shape)]
+            raise AssertionError(f"probabilities_and_score_gradients: {name} at (key {key}, row {row}) is "
+                                 f"{got[key, row].item():.6g}; expected {expected[key, row].item():.6g}")

@@ -72,6 +72,16 @@ PLANTED = {
                                 lambda m: cpu_numerics.check_locate(m, LOCATE)),
     "locate-one-sequence-per-step": (10, "locate", [SetValue("batch", "batch + 1", nth=1)],
                                      lambda m: cpu_numerics.check_locate(m, LOCATE)),
+    "q-tiles-from-the-last-key": (
+        11, "m_block_range", [SetValue("first_row", "cutlass.max(self.key0 + self.tile_n - 1 - self.offset - self.right, 0)")],
+        lambda m: cpu_numerics.check_key_tile_masks(m, dict(causal=True), [(300, 300)])),
+    "sink-tile-not-seen-by-every-row": (
+        11, "m_block_range", [SetValue("limit", "limit", nth=1)],
+        lambda m: cpu_numerics.check_key_tile_masks(m, dict(window_size=(64, 0), num_sink_tokens=4), [(300, 300)])),
+    "score-gradient-without-d": (11, "probabilities_and_score_gradients", [DropTerm("dp[r, c]", "d")],
+                                 cpu_numerics.check_score_gradients),
+    "probabilities-without-the-lse": (11, "probabilities_and_score_gradients", [DropTerm("p[r, c]", "lse")],
+                                      cpu_numerics.check_score_gradients),
 }
 
 

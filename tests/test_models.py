@@ -299,10 +299,32 @@ def test_dropout_raises(small_gpt_oss):
         model(ids)
 
 
-def test_backward_raises(small_gpt_oss):
+def check_training_gradients(model, ids):
+    """A language-model loss's gradients through the course backend match eager attention's: every
+    parameter's, the sink logits' included, within twice eager bf16's error against a float32 eager model."""
+    def gradients(m):
+        m.zero_grad()
+        m(ids, labels=ids).loss.backward()
+        return torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
+
+    expected = gradients(models.in_dtype(model, torch.float32, "eager"))
+    course, eager = gradients(model), gradients(models.in_dtype(model, torch.bfloat16, "eager"))
+    assert course.shape == expected.shape, "a parameter got no gradient through the course backend"
+    error, yardstick = ((g - expected).norm() / expected.norm() for g in (course, eager))
+    assert error <= 2 * yardstick + 1e-3, f"gradients off by {error:.2e} (relative); eager bf16: {yardstick:.2e}"
+    sinks = model.model.layers[0].self_attn.sinks.grad
+    assert sinks is not None and sinks.abs().sum() > 0, "the sink logits got no gradient"
+
+
+def test_model_trains_through_the_backend(small_gpt_oss):
+    """course::attention's registered backward, on the reference backing (CPU)."""
+    check_training_gradients(*small_gpt_oss)
+
+
+def test_padded_batches_have_no_backward(small_gpt_oss):
     model, ids = small_gpt_oss
     with pytest.raises(NotImplementedError, match="forward-only"):
-        model(ids).logits.float().sum().backward()
+        model(ids, attention_mask=padded_mask(ids)).logits.float().sum().backward()
 
 
 def test_eager_inference_skips_the_op_only_where_nothing_needs_it():
@@ -311,7 +333,7 @@ def test_eager_inference_skips_the_op_only_where_nothing_needs_it():
     with torch.no_grad():
         assert models.eager_inference(x, w), "under no_grad the op's Python function runs directly"
     assert models.eager_inference(x, x), "no input needs a gradient: the op's dispatch adds nothing"
-    assert not models.eager_inference(x, w), "autograd must record the op (its backward says there is none)"
+    assert not models.eager_inference(x, w), "autograd must record the op (for its backward)"
 
 
 def test_float32_model_is_rejected_by_the_kernels_validation(backed_by):
@@ -389,6 +411,14 @@ def test_left_padded_batch_on_gpu(kernels, family, dtype):
     config = gpu_config(family)
     ids = token_ids(config, 3, 240, "cuda")
     check_padded(config, dtype, ids, padded_mask(ids, (0, 70, 179)), prompt=220)
+
+
+@pytest.mark.gpu
+def test_model_trains_on_the_kernels(kernels):
+    """Stage 11's backward under a GPT-OSS-shaped model (sinks, 128-token windows, GQA 64 / 8, head dim 64)."""
+    config = gpu_config("gpt-oss")
+    model = models.in_dtype(build(config, "cuda"), torch.bfloat16, "course")
+    check_training_gradients(model, token_ids(config, 2, 300, "cuda"))
 
 
 @pytest.mark.gpu

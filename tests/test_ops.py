@@ -33,9 +33,10 @@ def decode_inputs(device="cpu", dtype=torch.bfloat16):
 
 def test_fake_implementations_give_the_output_shape_on_the_meta_device():
     (q, k, v), options = prefill_inputs(device="meta", seqlen_q=40, seqlen_k=70)
-    out = torch.ops.course.attention(q, k, v, **options)
+    out, lse = torch.ops.course.attention(q, k, v, **options)
     assert (out.device.type, out.shape, out.dtype) == ("meta", q.shape, q.dtype)
     assert out.is_contiguous()
+    assert (lse.shape, lse.dtype) == ((q.shape[0], q.shape[2], q.shape[1]), torch.float32)
     (q, k_cache, v_cache, seqlens), options = decode_inputs(device="meta")
     out = torch.ops.course.decode_attention(q, k_cache, v_cache, seqlens, **options)
     assert (out.device.type, out.shape, out.dtype) == ("meta", q.shape, q.dtype)
@@ -53,7 +54,7 @@ def test_opcheck(backed_by, make):
 def test_ops_compute_the_contract_with_the_reference_backing(backed_by):
     backed_by(impl="reference")
     (q, k, v), options = prefill_inputs(seqlen_q=30, seqlen_k=50)
-    out = torch.ops.course.attention(q, k, v, **options)
+    out, _ = torch.ops.course.attention(q, k, v, **options)
     expected = reference.attention(q, k, v, softmax_scale=0.1, causal=True, window_size=(5, -1),
                                    sink_logits=options["sink_logits"])
     torch.testing.assert_close(out, expected.to(q.dtype), rtol=0, atol=0)
@@ -70,7 +71,7 @@ def test_torch_compile_fullgraph_traces_both_ops(backed_by):
     decode_args, decode_options = decode_inputs()
 
     def both(q, k, v, decode_q):
-        out = torch.ops.course.attention(q, k, v, **options)
+        out = torch.ops.course.attention(q, k, v, **options)[0]
         return out * 2, torch.ops.course.decode_attention(decode_q, *decode_args[1:], **decode_options) + 1
 
     compiled = torch.compile(both, fullgraph=True, backend="aot_eager")
@@ -78,13 +79,48 @@ def test_torch_compile_fullgraph_traces_both_ops(backed_by):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_the_ops_are_forward_only(backed_by):
+def test_the_prefill_op_is_differentiable(backed_by):
+    """course::attention's registered backward (course::attention_backward) gives the reference backward's
+    gradients, the sink logits' included, eagerly and under torch.compile; the LSE output is not differentiable."""
+    backed_by(impl="reference")
+    (q, k, v), options = prefill_inputs(seqlen_q=30, seqlen_k=50)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, options.pop("sink_logits"))]
+    do = torch.randn(q.shape, dtype=q.dtype)
+    window = (options.pop("window_size_left"), -1)
+    expected = reference.attention_backward(do, q, k, v, sink_logits=leaves[3].detach(), window_size=window, **options)
+
+    def loss(q, k, v, sinks):
+        out, lse = torch.ops.course.attention(q, k, v, sinks, window_size_left=window[0], **options)
+        assert not lse.requires_grad
+        return (out.float() * do.float()).sum()
+
+    for run in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        grads = torch.autograd.grad(run(*leaves), leaves)
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got.float(), want.to(got.dtype).float(), rtol=0, atol=0)
+
+
+def test_opcheck_backward(backed_by):
     backed_by(impl="reference")
     (q, k, v), options = prefill_inputs()
+    out, lse = torch.ops.course.attention(q, k, v, **options)
+    torch.library.opcheck(torch.ops.course.attention_backward, (torch.randn_like(out), q, k, v, out, lse), options)
+
+
+def test_the_decode_and_varlen_ops_are_forward_only(backed_by):
+    backed_by(impl="reference")
+    (q, k_cache, v_cache, seqlens), options = decode_inputs()
     q.requires_grad_(True)
-    out = torch.ops.course.attention(q, k, v, **options)
-    with pytest.raises(NotImplementedError, match="course::attention is forward-only"):
+    out = torch.ops.course.decode_attention(q, k_cache, v_cache, seqlens, **options)
+    with pytest.raises(NotImplementedError, match="course::decode_attention is forward-only"):
         out.sum().backward()
+
+
+def test_a_backward_needs_a_prefill_stage_with_the_lse(backed_by):
+    backed_by(prefill=4, impl="solutions")
+    q, k, v = (t.requires_grad_() for t in prefill_inputs()[0])
+    with pytest.raises(ValueError, match="CUDA"):  # the forward still validates first
+        torch.ops.course.attention(q, k, v)
 
 
 def test_the_setting_picks_the_stage(backed_by):
@@ -123,7 +159,7 @@ def test_both_ops_replay_in_a_cuda_graph(backed_by, impl):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        out = torch.ops.course.attention(q, k, v, **options)
+        out, _ = torch.ops.course.attention(q, k, v, **options)
         decode_out = torch.ops.course.decode_attention(dq, k_cache, v_cache, seqlens, **decode_options,
                                                        check_lengths=False)
     for replay in range(3):
@@ -135,6 +171,20 @@ def test_both_ops_replay_in_a_cuda_graph(backed_by, impl):
                                          window_size=(5, -1), sink_logits=options["sink_logits"])
         inputs = dict(q=dq, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=None)
         testing.assert_decode_matches(decode_out, inputs, f"replay {replay}", **decode_options)
+
+
+@pytest.mark.gpu
+def test_prefill_op_backward_on_the_kernels(backed_by, impl):
+    """Autograd through course::attention runs stage 11's kernel: the reference's gradients, dsink included."""
+    backed_by(impl=impl)
+    (q, k, v), options = prefill_inputs(device="cuda", seqlen_q=300, seqlen_k=500)
+    sinks = options.pop("sink_logits")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    do = torch.randn_like(q)
+    out, _ = torch.ops.course.attention(*leaves, **options)
+    grads = torch.autograd.grad(out, leaves, do)
+    testing.assert_gradients_match(grads, q, k, v, do, "course::attention backward", sink_logits=sinks,
+                                   softmax_scale=0.1, causal=True, window_size=(5, -1))
 
 
 def varlen_inputs(device="cpu", dtype=torch.bfloat16, page_size=16):

@@ -39,7 +39,8 @@ What the backend cannot do raises instead of giving a wrong answer: padded
 batches under torch.compile or CUDA-graph capture (an assertion in the graph),
 any other mask than causal or sliding-window (custom 4D masks, bidirectional
 blocks, packed sequences without ``cu_seq_lens_q``/``cu_seq_lens_k``), dropout, returning
-attention weights, soft-capping, non-causal attention, and a backward pass.
+attention weights, soft-capping, non-causal attention, and a backward pass through a padded or
+packed batch (equal-length batches train: ``course::attention`` has stage 11's backward).
 Packed sequences under torch.compile cannot be told apart from one sequence
 without reading the positions, and are not detected there.
 """
@@ -203,14 +204,15 @@ def prefill(q, k, v, key_counts, **features):
     if key_counts is not None:
         real = int(key_counts.max())
         k, v = k[:, :real], v[:, :real]
-    attention = ops.attention if eager_inference(q, k, v) else torch.ops.course.attention
-    return attention(q, k, v, causal=True, **features)
+    if eager_inference(q, k, v):
+        return ops.attention(q, k, v, causal=True, **features)
+    return torch.ops.course.attention(q, k, v, causal=True, **features)[0]  # (O, LSE): the LSE is for the backward
 
 
 def eager_inference(*tensors) -> bool:
     """Whether a call may skip its custom op and run the op's Python function directly: in eager mode
     with nothing for autograd to record. The op's dispatch costs the host about as much as the launch;
-    torch.compile needs the op (it traces it), and autograd needs it to say there is no backward."""
+    torch.compile needs the op (it traces it), and autograd needs it for the backward (or to say there is none)."""
     if torch.compiler.is_compiling():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

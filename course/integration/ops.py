@@ -3,8 +3,10 @@
 Registered with ``torch.library``, each op has a fake (meta) implementation
 that only computes the output's shape, so ``torch.compile(fullgraph=True)``
 traces a model that calls them without running a kernel, and CUDA-graph
-capture records the kernels like any other launch. The ops are forward-only:
-a backward through them raises.
+capture records the kernels like any other launch. ``course::attention``
+returns (O, LSE) and is differentiable: its backward is ``course::attention_backward``
+(stage 11's kernel); the decode and variable-length ops are forward-only, a
+backward through them raises.
 
 Which code backs the ops is one setting, ``use_stages``:
 
@@ -34,6 +36,7 @@ from course.testing import reference
 PREFILL_STAGE = 8  # the final prefill kernel (FA3-class)
 DECODE_STAGE = 9  # the final decode kernel (tensor cores, FP8 cache)
 VARLEN_STAGE = 10  # the variable-length and paged prefill kernel behind course::attention_varlen
+BACKWARD_STAGE = 11  # the backward pass behind course::attention_backward
 IMPLS = (*stages.IMPLS, "reference")
 
 
@@ -88,6 +91,30 @@ def reference_attention(q, k, v, *, softmax_scale=None, causal=False, window_siz
                                       sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
     return reference.attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                sink_logits=sink_logits, num_sink_tokens=num_sink_tokens).to(q.dtype)
+
+
+def reference_attention_with_lse(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                 sink_logits=None, num_sink_tokens=0, return_lse=True):
+    """``reference_attention`` with the LSE: (O in q's dtype, LSE [B, H_q, S_q] float32)."""
+    validation.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, window_size=window_size,
+                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
+    out, lse = reference.attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                   sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=True)
+    return out.to(q.dtype), lse
+
+
+def reference_attention_backward(do, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                 sink_logits=None, num_sink_tokens=0):
+    """course.testing.reference.attention_backward (float64) after stage 11's input validation:
+    (dq, dk, dv[, dsink]), the gradients in q's dtype."""
+    from course.runtime import backward
+
+    backward.check_backward_inputs(do, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
+    grads = reference.attention_backward(do, q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                         window_size=window_size, sink_logits=sink_logits,
+                                         num_sink_tokens=num_sink_tokens)
+    return (*(g.to(q.dtype) for g in grads[:3]), *grads[3:])
 
 
 def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
@@ -157,6 +184,20 @@ def decode_function():
     return (_functions or _resolve())[1]
 
 
+def prefill_with_lse_function():
+    """``attention`` of the setting's prefill stage, called for (O, LSE)."""
+    if _backing.impl == "reference":
+        return reference_attention_with_lse
+    return prefill_function()
+
+
+def backward_function():
+    """The ``attention_backward`` function the setting's impl picks (stage 11's)."""
+    if _backing.impl == "reference":
+        return reference_attention_backward
+    return stages.get(BACKWARD_STAGE).load(_backing.impl).attention_backward
+
+
 def varlen_function():
     """The ``attention_varlen`` function the setting's impl picks (stage 10's)."""
     if _backing.impl == "reference":
@@ -174,22 +215,92 @@ _LIBRARY = torch.library.Library("course", "DEF")
 # --8<-- [start:attention_op]
 _LIBRARY.define("attention(Tensor q, Tensor k, Tensor v, Tensor? sink_logits=None, float? softmax_scale=None, "
                 "bool causal=False, int window_size_left=-1, int window_size_right=-1, int num_sink_tokens=0) "
-                "-> Tensor")
+                "-> (Tensor, Tensor)")
 
 
 def attention(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
               window_size_right=-1, num_sink_tokens=0):
-    """Prefill attention (docs/contract.md) on [B, S, H, D]: O [B, S_q, H_q, D_v], a new contiguous tensor."""
+    """Prefill attention (docs/contract.md) on [B, S, H, D]: O [B, S_q, H_q, D_v], a new contiguous tensor.
+
+    The op ``course::attention`` returns (O, LSE [B, H_q, S_q] float32): the LSE is what its backward needs.
+    """
     return prefill_function()(q, k, v, softmax_scale=softmax_scale, causal=causal,
                               window_size=(window_size_left, window_size_right), sink_logits=sink_logits,
                               num_sink_tokens=num_sink_tokens)
 
 
+LSE_STAGE = validation.FEATURE_STAGE["return_lse"][0]
+
+
+def _has_lse() -> bool:
+    return _backing.impl == "reference" or _backing.prefill >= LSE_STAGE
+
+
+def _attention_with_lse(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
+                        window_size_right=-1, num_sink_tokens=0):
+    """The op's kernel: (O, LSE); a prefill stage before the LSE's gives NaN for it (and no backward)."""
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=(window_size_left, window_size_right),
+                   sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
+    if not _has_lse():
+        out = prefill_function()(q, k, v, **options)
+        return out, torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    return prefill_with_lse_function()(q, k, v, return_lse=True, **options)
+
+
 @torch.library.register_fake("course::attention")
 def _attention_fake(q, k, v, sink_logits=None, softmax_scale=None, causal=False, window_size_left=-1,
                     window_size_right=-1, num_sink_tokens=0):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
 # --8<-- [end:attention_op]
+
+
+# --8<-- [start:backward_op]
+_LIBRARY.define("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                "Tensor? sink_logits=None, float? softmax_scale=None, bool causal=False, int window_size_left=-1, "
+                "int window_size_right=-1, int num_sink_tokens=0) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def attention_backward(grad_out, q, k, v, out, lse, sink_logits=None, softmax_scale=None, causal=False,
+                       window_size_left=-1, window_size_right=-1, num_sink_tokens=0):
+    """(dq, dk, dv, dsink) of ``course::attention`` (stage 11); dsink is empty without sink logits."""
+    grads = backward_function()(grad_out.contiguous(), q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                                window_size=(window_size_left, window_size_right), sink_logits=sink_logits,
+                                num_sink_tokens=num_sink_tokens)
+    return (*grads[:3], grads[3] if sink_logits is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@torch.library.register_fake("course::attention_backward")
+def _attention_backward_fake(grad_out, q, k, v, out, lse, sink_logits=None, softmax_scale=None, causal=False,
+                             window_size_left=-1, window_size_right=-1, num_sink_tokens=0):
+    dsink = q.new_empty((0 if sink_logits is None else sink_logits.shape[0],), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
+
+
+_OPTIONS = ("softmax_scale", "causal", "window_size_left", "window_size_right", "num_sink_tokens")
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, sink_logits, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sink_logits)
+    ctx.options = dict(zip(_OPTIONS, options))
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_grads(ctx, grad_out, grad_lse):
+    """The LSE is not differentiable (its gradient is ignored); sink logits get theirs when they require one."""
+    if not _has_lse():
+        raise NotImplementedError(f"course::attention's backward needs the forward's LSE: the ops are backed by "
+                                  f"prefill stage {_backing.prefill}, and stage {LSE_STAGE} adds the LSE "
+                                  f"(ops.use_stages(prefill={PREFILL_STAGE}) for the final kernel)")
+    q, k, v, out, lse, sink_logits = ctx.saved_tensors
+    dq, dk, dv, dsink = torch.ops.course.attention_backward(grad_out, q, k, v, out, lse, sink_logits, **ctx.options)
+    return dq, dk, dv, (dsink if sink_logits is not None else None), None, None, None, None, None
+
+
+torch.library.register_autograd("course::attention", _attention_grads, setup_context=_save_for_backward)
+# --8<-- [end:backward_op]
 
 
 _LIBRARY.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
@@ -245,16 +356,17 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 # One kernel for every device: the stage's own checks say what a CPU tensor may and may not do.
-_LIBRARY.impl("attention", attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("attention", _attention_with_lse, "CompositeExplicitAutograd")
+_LIBRARY.impl("attention_backward", attention_backward, "CompositeExplicitAutograd")
 _LIBRARY.impl("attention_varlen", attention_varlen, "CompositeExplicitAutograd")
 _LIBRARY.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
 
 
 def _no_backward(op_name: str):
     def backward(ctx, grad):
-        raise NotImplementedError(f"{op_name} is forward-only: the course's kernels have no backward pass. "
-                                  "Run the model under torch.no_grad() (inference), or use another attention "
-                                  "implementation to train.")
+        raise NotImplementedError(f"{op_name} is forward-only: stage 11's backward covers course::attention "
+                                  "([B, S, H, D], equal lengths) only. Run this under torch.no_grad() (inference), "
+                                  "train with equal-length batches, or use another attention implementation.")
 
     return backward
 
@@ -263,8 +375,6 @@ def _nothing_to_save(ctx, inputs, output):
     pass
 
 
-torch.library.register_autograd("course::attention", _no_backward("course::attention"),
-                                setup_context=_nothing_to_save)
 torch.library.register_autograd("course::decode_attention", _no_backward("course::decode_attention"),
                                 setup_context=_nothing_to_save)
 torch.library.register_autograd("course::attention_varlen", _no_backward("course::attention_varlen"),

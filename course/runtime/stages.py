@@ -26,7 +26,9 @@ class Stage:
     title: str
     adds: str
     ready: bool  # False: planned, no code yet
-    kind: str = "prefill"  # "prefill": module.attention on [B, S, H, D]; "decode": module.decode_attention
+    # "prefill": module.attention on [B, S, H, D]; "decode": module.decode_attention; "backward":
+    # module.attention_backward (and the forward it differentiates as module.attention)
+    kind: str = "prefill"
     bench_shapes: tuple = ()  # PrefillShape or DecodeShape: what `course bench` times this stage on
     starts_from: int | None = None  # a stage this one is timed next to on its shapes (the one it improves)
     # The functions with this stage's TODOs whose results tests/cpu_numerics.py computes on the CPU and
@@ -112,6 +114,10 @@ RAGGED = (
     *(RaggedShape(f"{b} x 4 draft tokens, 8k cache", (4,) * b, (8192,) * b, 32, 8, page_size=64) for b in (1, 8, 64)),
 )
 
+# Stage 11: the FA3 paper's backward sweep (B * S = 16k, H * D = 2048), D 64 and 128, causal and not, in bf16.
+BACKWARD = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, "bfloat16", causal=causal)
+                 for d in (128, 64) for causal in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384))
+
 STAGES = [
     Stage(1, "single_tile", "Single-tile FMHA",
           "TMA loads, WGMMA for Q K^T and P V, softmax in registers, GQA", ready=True,
@@ -151,6 +157,10 @@ STAGES = [
           "packed sequences of different lengths, a paged KV cache, a scheduler over ragged tiles",
           ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False, ragged_shapes=RAGGED,
           cpu_numerics=("locate",)),
+    Stage(11, "backward", "The backward pass",
+          "dQ, dK, dV and dsink: P recomputed from the LSE, the transposed products on WGMMA, dQ by TMA reduce-adds",
+          ready=True, kind="backward", bench_shapes=BACKWARD, starts_from=10, diffed=False,
+          cpu_numerics=("m_block_range", "probabilities_and_score_gradients")),
 ]
 
 

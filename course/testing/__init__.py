@@ -395,3 +395,70 @@ def assert_varlen_matches(out, inputs: dict, where: str = "", lse=None, **featur
         lse = lse.cpu()
         assert_lse_close(lse, ref_lse, where, "[h, row]")
     return report
+
+
+# ---------------------------------------------------------------- the backward pass (stage 11)
+
+GRADIENT_NAMES = ("dq", "dk", "dv", "dsink")
+
+
+def reference_gradients(q, k, v, do, *, sink_logits=None, **features) -> tuple:
+    """dq, dk, dv (and dsink) of the float64 reference by autograd: the ground truth of stage 11."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    sink = None if sink_logits is None else sink_logits.detach().double().requires_grad_()
+    with torch.enable_grad():  # also when called inside a backward pass
+        out = reference.attention(*leaves, sink_logits=sink, **features)
+        out.backward(do.double())
+    grads = [t.grad for t in leaves]
+    return tuple(grads if sink is None else grads + [sink.grad])
+
+
+def torch_gradients(q, k, v, do, *, sink_logits=None, **features) -> tuple:
+    """The same gradients from PyTorch's SDPA in q's precision: the yardstick of the backward's error.
+
+    A sink logit is SDPA's extra key of value zero whose score comes from the additive mask
+    (``torch_attention``); dsink is the mask's gradient there.
+    """
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if sink_logits is not None:
+        leaves.append(sink_logits.detach().float().requires_grad_())
+    out = torch_attention(*leaves[:3], sink_logits=leaves[3] if sink_logits is not None else None, **features)
+    return tuple(torch.nan_to_num(g, nan=0.0) for g in torch.autograd.grad(out, leaves, do))
+
+
+def assert_gradients_match(grads, q, k, v, do, where: str = "", **features) -> list[ErrorReport]:
+    """Each gradient: no NaN, and within TOLERANCE_FACTOR of PyTorch's error against the float64 reference.
+
+    PyTorch's error is the larger of two, per gradient: SDPA's backward (``torch_gradients``), and the
+    backward formulas in float64 with the FlashAttention algorithm's own roundings (``reference.attention_backward``
+    with ``out`` and ``operands``): D = rowsum(dO * O) from SDPA's 16-bit O, and P and dS rounded to 16 bits
+    where they enter the products, as every FlashAttention backward (FA2-4, cuDNN) takes them. dS = P (dP - D)
+    cancels where P is near 1 (one key and a sink logit); SDPA's math path, which SDPA takes for sink logits
+    (an additive mask), differentiates the softmax instead and does not inherit that error.
+    """
+    refs = reference_gradients(q, k, v, do, **features)
+    sdpa = torch_gradients(q, k, v, do, **features)
+    from_16_bit_o = reference.attention_backward(do, q, k, v, out=torch_attention(q, k, v, **features),
+                                                 operands=q.dtype, **features)
+    if len(grads) != len(refs):
+        raise AssertionError(f"{where}: {len(grads)} gradients returned; expected {len(refs)} "
+                             f"({', '.join(GRADIENT_NAMES[:len(refs)])})")
+    reports = []
+    for name, grad, ref, base, inherited in zip(GRADIENT_NAMES, grads, refs, sdpa, from_16_bit_o):
+        if tuple(grad.shape) != tuple(ref.shape):
+            raise AssertionError(f"{where}: {name} has shape {tuple(grad.shape)}; expected {tuple(ref.shape)}")
+        assert_no_nan(grad, f"{where} {name}", "its index",
+                      "The gradient buffers were filled with NaN before the launch: NaN means an element was never "
+                      "written (dK and dV of a KV tile no Q tile sees must still be stored), or P was computed "
+                      "as exp(inf - inf) for a row without keys (its LSE is -inf: the preprocess makes it +inf).")
+        diff = (grad.double() - ref).abs()
+        base_diff, inherited_diff = (base.double() - ref).abs(), (inherited.double() - ref).abs()
+        report = ErrorReport(diff.max().item(), diff.mean().item(),
+                             max(base_diff.max().item(), inherited_diff.max().item()),
+                             max(base_diff.mean().item(), inherited_diff.mean().item()))
+        if not report.ok:
+            worst = [int(i) for i in torch.unravel_index(diff.flatten().argmax(), grad.shape)]
+            raise AssertionError(f"{where}: {name} differs from the float64 reference's gradient: {report}. "
+                                 f"Worst element at {worst}.")
+        reports.append(report)
+    return reports

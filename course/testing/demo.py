@@ -47,3 +47,20 @@ def varlen(attention_varlen, *, lengths_q=(300, 1, 1000, 0), lengths_k=(1000, 5,
     out = attention_varlen(**inputs, **features)
     torch.cuda.synchronize()
     print(f"varlen output {tuple(out.shape)}: {testing.assert_varlen_matches(out, inputs, 'demo', **features)}")
+
+
+def backward(attention, attention_backward, *, batch: int = 2, seqlen_q: int = 300, seqlen_k: int = 1000,
+             heads_q: int = 8, heads_kv: int = 2, head_dim: int = 128, dtype=None, **features):
+    """One forward and backward against the float64 reference's autograd; prints each gradient's error."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("This demo launches the kernel: it needs a CUDA GPU (Hopper, sm_90).")
+    dtype = dtype or torch.bfloat16
+    q, k, v = testing.random_qkv(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+    do = torch.randn_like(q)
+    out, lse = attention(q, k, v, return_lse=True, **features)
+    grads = attention_backward(do, q, k, v, out, lse, **features)
+    reports = testing.assert_gradients_match(grads, q, k, v, do, "demo", **features)
+    for name, report in zip(testing.GRADIENT_NAMES, reports):
+        print(f"{name} {tuple(grads[testing.GRADIENT_NAMES.index(name)].shape)}: {report}")

@@ -70,6 +70,47 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     return o, lse
 
 
+def attention_backward(do, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
+                       num_sink_tokens=0, out=None, operands=None, dtype=torch.float64):
+    """(dq, dk, dv[, dsink]) of ``attention`` by the formulas stage 11 computes, in ``dtype``:
+
+    P = softmax(S) (the sink in the denominator), D = rowsum(dO * O), dV = P^T dO, dP = dO V^T,
+    dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q (dK, dV summed over each KV head's group),
+    dsink = -sum over rows of exp(sink - LSE) D. Gradients in ``dtype``, dsink float32.
+    ``out``: D from this O (a 16-bit forward's, as every FlashAttention backward takes it) instead of the exact one.
+    ``operands``: P and dS rounded to this dtype before the products that take them (as tensor cores do).
+    """
+    b, s_q, h_q, d = q.shape
+    h_kv = k.shape[2]
+    group = h_q // h_kv
+    scale = validation.resolve_scale(softmax_scale, d)
+    qh = q.to(dtype).transpose(1, 2)
+    kh = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vh = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    doh = do.to(dtype).transpose(1, 2)
+    exact_out, lse = attention(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                               sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=True, dtype=dtype)
+    out = exact_out if out is None else out
+    lse = lse.to(dtype).unsqueeze(-1)
+    mask = visible_keys(s_q, k.shape[1], causal=causal, window_size=window_size, num_sink_tokens=num_sink_tokens,
+                        device=q.device)
+    scores = ((qh @ kh.transpose(-1, -2)) * scale).masked_fill(~mask, -math.inf)
+    p = torch.where(torch.isinf(lse), torch.zeros_like(scores), torch.exp(scores - lse))  # rows without keys: 0
+    row_d = (doh * out.to(dtype).transpose(1, 2)).sum(-1, keepdim=True)
+    ds = p * (doh @ vh.transpose(-1, -2) - row_d)
+    if operands is not None:
+        p, ds = p.to(operands).to(dtype), ds.to(operands).to(dtype)
+    dq = scale * ds @ kh
+    dk = (scale * ds.transpose(-1, -2) @ qh).view(b, h_kv, group, k.shape[1], d).sum(2)
+    dv = (p.transpose(-1, -2) @ doh).view(b, h_kv, group, k.shape[1], v.shape[-1]).sum(2)
+    grads = tuple(g.transpose(1, 2).contiguous() for g in (dq, dk, dv))
+    if sink_logits is None:
+        return grads
+    p_sink = torch.exp(sink_logits.to(device=q.device, dtype=dtype).view(1, h_q, 1, 1) - lse)
+    p_sink = torch.nan_to_num(p_sink, nan=0.0)  # -inf - -inf: no sink and no key
+    return (*grads, -(p_sink * row_d).sum(dim=(0, 2, 3)).float())
+
+
 # ---------------------------------------------------------------- decode (stage 7)
 
 def decode_visible_keys(seqlen: int, *, window_size_left: int = -1, num_sink_tokens: int = 0,

@@ -411,6 +411,100 @@ def bench_ragged(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -
 # --8<-- [end:ragged]
 
 
+# --8<-- [start:backward]
+BACKWARD_FLOPS = 2.5  # a backward's FLOPs per forward FLOP (five GEMMs for two): FlashAttention's convention
+
+
+def fa4_backward():
+    """FlashAttention-4's Hopper backward through autograd: fn(q, k, v, do, causal) -> a call that runs
+    only the backward (the forward's graph is kept); None when flash-attn-4 is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+
+    def prepare(q, k, v, do, causal=False):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+        return lambda: torch_grad(out, leaves, do)
+
+    return prepare
+
+
+def torch_grad(out, leaves, grad):
+    import torch
+
+    return torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+
+def sdpa_backward(backend):
+    """SDPA restricted to ``backend``, forward once; the call returned runs its backward."""
+    import torch.nn.functional as F
+
+    def prepare(q, k, v, do, causal=False):
+        leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+        with _restricted_to(backend):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        grad = do.transpose(1, 2)
+
+        def run():
+            with _restricted_to(backend):
+                return torch_grad(out, leaves, grad)
+        run.setting = partial(_pinned, backend)
+        return run
+
+    return prepare
+
+
+def backward_calls(shape: PrefillShape, module) -> dict:
+    """{name: (stage or None, fn())}: stage 11's backward, SDPA's flash and cuDNN backward and FA4's, each after
+    its own forward on the same random inputs (only the backward is timed)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from course import testing
+
+    q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
+                                 shape.head_dim, getattr(torch, shape.dtype))
+    do = torch.randn_like(q)
+    out, lse = module.attention(q, k, v, causal=shape.causal, return_lse=True)
+    calls = {f"stage {module.STAGE}": (module.STAGE, lambda: module.attention_backward(do, q, k, v, out, lse,
+                                                                                       causal=shape.causal))}
+    preparers = {"SDPA flash": sdpa_backward(SDPBackend.FLASH_ATTENTION),
+                 "SDPA cuDNN": sdpa_backward(SDPBackend.CUDNN_ATTENTION), "FA4": fa4_backward()}
+    for name, prepare in preparers.items():
+        if prepare is None:
+            continue
+        try:
+            calls[name] = (None, prepare(q, k, v, do, causal=shape.causal))
+        except RuntimeError as error:
+            print(f"  {name} on {shape.label}: not run ({str(error).splitlines()[0]})")
+    return calls
+
+
+def bench_backward(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
+    """The backward stages on their shapes next to SDPA's and FA4's backward, in the same rounds; TFLOP/s
+    count BACKWARD_FLOPS times the forward's FLOPs."""
+    import torch
+
+    rows = []
+    for number in stage_numbers:
+        module = stages.get(number).load(impl)
+        for shape in stages.get(number).bench_shapes:
+            calls = backward_calls(shape, module)
+            fns = runnable({name: fn for name, (_, fn) in calls.items()}, shape.label)
+            for name, ms in time_in_rounds(fns, repeats=repeats).items():
+                tflops = BACKWARD_FLOPS * shape.flops / ms / 1e9
+                rows.append({"stage": calls[name][0], "kernel": name, "shape": asdict(shape), "label": shape.label,
+                             "ms": ms, "tflops": tflops})
+                print(f"  {name:>20} {shape.label}: {ms:.3f} ms, {tflops:.0f} TFLOP/s (backward)")
+            del fns, calls
+            torch.cuda.empty_cache()
+    return rows
+# --8<-- [end:backward]
+
+
 def _save(fig, path: Path) -> None:
     fig.savefig(path, dpi=110, facecolor="white")  # an opaque background reads in light and dark mode alike
     import matplotlib.pyplot as plt
@@ -426,17 +520,17 @@ def _style(kernel: str, index: int):
     return KERNEL_STYLES.get(kernel, (colors[index % len(colors)], "o"))
 
 
-def plot_prefill(rows: list[dict], path: Path, title: str) -> bool:
+def plot_prefill(rows: list[dict], path: Path, title: str, sweep=stages.FA3_SWEEP) -> bool:
     """The FA3 paper's figure: TFLOP/s against the sequence length, one panel per (head dim, causal),
-    at B * S = 16k and H * D = 2048 (stages.FA3_SWEEP). False when no row is on those shapes."""
+    at B * S = 16k and H * D = 2048 (``sweep``: stages.FA3_SWEEP, or stages.BACKWARD for the backward's).
+    False when no row is on those shapes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seqlens = sorted({shape.seqlen_q for shape in stages.FA3_SWEEP})
-    swept = [r for r in rows if PrefillShape(**{**r["shape"], "window": tuple(r["shape"]["window"])})
-             in stages.FA3_SWEEP]
+    seqlens = sorted({shape.seqlen_q for shape in sweep})
+    swept = [r for r in rows if PrefillShape(**{**r["shape"], "window": tuple(r["shape"]["window"])}) in sweep]
     if not swept:
         return False
     def dims(row: dict) -> tuple[int, int]:
@@ -892,6 +986,10 @@ def write_plots(results: dict, out_dir: Path) -> list[str]:
     written = []
     if plot_prefill(results.get("rows", []), out_dir / "bench-prefill.png", f"Attention forward, fp16, on {gpu}"):
         written.append("bench-prefill.png")
+    if plot_prefill(results.get("backward", {}).get("rows", []), out_dir / "bench-backward.png",
+                    f"Attention backward, bf16, on {gpu} (TFLOP/s: {BACKWARD_FLOPS}x the forward's FLOPs)",
+                    sweep=stages.BACKWARD):
+        written.append("bench-backward.png")
     if results.get("ablation"):
         plot_ablation(results["ablation"], out_dir / "bench-ablation.png", f"Stage 8, step by step, on {gpu}")
         written.append("bench-ablation.png")
@@ -923,7 +1021,10 @@ def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutio
     numbers = stage_numbers or [s.number for s in stages.STAGES if s.ready]
     prefill = [n for n in numbers if stages.get(n).kind == "prefill"]
     decode = [n for n in numbers if stages.get(n).kind == "decode"]
+    backward = [n for n in numbers if stages.get(n).kind == "backward"]
     results = {"environment": environment(), "rows": bench_prefill(prefill, impl=impl, repeats=repeats)}
+    if backward:
+        results["backward"] = {"rows": bench_backward(backward, impl=impl, repeats=repeats)}
     if 8 in prefill:
         results["ablation"] = bench_ablation(impl=impl, repeats=repeats)
     if decode:

@@ -101,6 +101,39 @@ def _gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
         return f"[red]error[/]: {type(error).__name__}", "-"
 
 
+def _backward_gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
+    """(numerics, throughput) of the backward: an awkward GQA shape with a window checked against the
+    reference's autograd, the B=2 S=8k D=128 bench shape timed next to cuDNN's backward."""
+    import torch
+
+    from course.tools import bench
+
+    try:
+        q, k, v = testing.random_qkv(2, 200, 300, 8, 2, 128, torch.bfloat16, seed=1)
+        do = torch.randn_like(q)
+        features = {"window_size": (64, 0), "num_sink_tokens": 2}
+        out, lse = module.attention(q, k, v, return_lse=True, **features)
+        grads = module.attention_backward(do, q, k, v, out, lse, **features)
+        try:
+            testing.assert_gradients_match(grads, q, k, v, do, "status", **features)
+            numerics = "[green]pass[/]"
+        except AssertionError:
+            numerics = "[red]fail[/]"
+        shape = next(s for s in stage.bench_shapes if s.seqlen_q == 8192 and s.head_dim == 128 and not s.causal)
+        calls = bench.backward_calls(shape, module)
+        times = bench.time_in_rounds({name: fn for name, (_, fn) in calls.items() if name in (f"stage {stage.number}",
+                                                                                             "SDPA cuDNN")},
+                                     repeats=10)
+        flops = bench.BACKWARD_FLOPS * shape.flops
+        speed = f"{flops / times[f'stage {stage.number}'] / 1e9:.0f} TFLOP/s backward"
+        speed += f" (cuDNN {flops / times['SDPA cuDNN'] / 1e9:.0f})" if "SDPA cuDNN" in times else ""
+        return numerics, speed
+    except NotImplementedError:
+        return "[yellow]TODO[/]", "-"
+    except Exception as error:
+        return f"[red]error[/]: {type(error).__name__}", "-"
+
+
 def _decode_gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
     """(numerics, bandwidth) of a decode stage: a ragged paged batch checked, one bench shape timed."""
     import torch
@@ -158,7 +191,8 @@ def _stage_cells(stage: stages.Stage, impl: str, gpu: bool, spinner) -> list[str
     if gpu:
         spinner.update(f"stage {stage.number} ({impl}): running on the GPU...")
         with redirect_stdout(io.StringIO()):
-            cells += list(_decode_gpu_cells(stage, module) if stage.kind == "decode" else _gpu_cells(stage, module))
+            gpu_cells = {"decode": _decode_gpu_cells, "backward": _backward_gpu_cells}.get(stage.kind, _gpu_cells)
+            cells += list(gpu_cells(stage, module))
     return cells
 
 

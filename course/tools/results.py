@@ -113,6 +113,21 @@ def ragged_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def backward_table(rows: list[dict]) -> list[str]:
+    """Stage 11's backward: one row per (shape, kernel), TFLOP/s at 2.5x the forward's FLOPs, vs cuDNN and FA4."""
+    lines = ["| shape | kernel | time (ms) | TFLOP/s | vs SDPA cuDNN | vs FA4 |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {_kernel(r)} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                     f"{_ratio(_time_of(rows, r['label'], BASELINE), r['ms'])} | "
+                     f"{_ratio(_time_of(rows, r['label'], PEER), r['ms'])} |")
+    return lines
+
+
+BACKWARD_NOTE = ("The backward alone (each kernel's forward ran before the timed calls): dQ, dK and dV from dO, with "
+                 "every kernel's own pre- and post-processing. TFLOP/s count 2.5 times the forward's FLOPs (five "
+                 "GEMMs to the forward's two), FlashAttention's convention; bf16.")
+
+
 RAGGED_NOTE = ("TFLOP/s of useful work: 4 D H_q per (query, key) pair the mask lets through, each sequence on its "
                "own, whatever a kernel computes (stage 8 on the batch padded to its longest sequence computes the "
                "padding too). Batches of a few draft tokens per sequence are replayed in CUDA graphs, next to "
@@ -401,6 +416,12 @@ def tables(results: dict) -> str:
             lines += ["", "![Decode: effective K/V bandwidth of each kernel, per shape](results/bench-decode.png)"]
         for number in _stage_numbers(decode):
             lines += ["", f"### {stage_heading(number)}", "", *decode_stage_lines(results["decode"], number, "results")]
+    backward = results.get("backward", {}).get("rows", [])
+    if backward:
+        lines += ["", "## Backward", "", BACKWARD_NOTE, "",
+                  "![Backward TFLOP/s against sequence length, per head dim, causal or not](results/bench-backward.png)"]
+        for number in _stage_numbers(backward):
+            lines += ["", f"### {stage_heading(number)}", "", *backward_table(_rows_of_stage(backward, number))]
     ragged = results.get("varlen", {}).get("rows", [])
     if ragged:
         lines += ["", "## Variable-length batches", "", RAGGED_NOTE, ""]
@@ -417,6 +438,10 @@ def stage_md(results: dict, number: int) -> str:
              "", measured_on(results["environment"]), ""]
     if stages.get(number).kind == "decode":
         lines += [decode_timing(results["decode"]), "", *decode_stage_lines(results["decode"], number, "../results")]
+    elif stages.get(number).kind == "backward":
+        lines += [BACKWARD_NOTE, "",
+                  "![Backward TFLOP/s against sequence length, per head dim, causal or not](../results/bench-backward.png)",
+                  "", *backward_table(_rows_of_stage(results.get("backward", {}).get("rows", []), number))]
     else:
         rows = _rows_of_stage(results.get("rows", []), number)
         if number == 8 and any(in_sweep(r) for r in rows):
@@ -446,7 +471,7 @@ def bench_md(results: dict) -> str:
 
 def measured_stages(results: dict) -> list[int]:
     return _stage_numbers(results.get("rows", []) + results.get("decode", {}).get("rows", [])
-                          + results.get("varlen", {}).get("rows", []))
+                          + results.get("varlen", {}).get("rows", []) + results.get("backward", {}).get("rows", []))
 
 
 def render(results_dir: Path | str = DEFAULT_DIR) -> str:
@@ -517,11 +542,12 @@ def merge(runs: list[dict]) -> dict:
         if run.get("decode"):
             decode = merged.setdefault("decode", {**run["decode"], "rows": []})
             decode["rows"] = merged_rows(decode["rows"], run["decode"]["rows"])
-        if run.get("varlen"):
-            varlen = merged.setdefault("varlen", {"rows": []})
-            varlen["rows"] = merged_rows(varlen["rows"], run["varlen"]["rows"])
+        for part in ("varlen", "backward"):
+            if run.get(part):
+                rows = merged.setdefault(part, {"rows": []})
+                rows["rows"] = merged_rows(rows["rows"], run[part]["rows"])
     merged["rows"] = in_shape_order(merged["rows"])
-    for part in ("decode", "varlen"):
+    for part in ("decode", "varlen", "backward"):
         if part in merged:
             merged[part]["rows"] = in_shape_order(merged[part]["rows"])
     return merged

@@ -134,6 +134,12 @@ def launch_stage(number: int) -> None:
                 inputs = testing.random_decode_inputs([300, 1000, 1], 32, 2, 128, torch.float16, page_size=32, seed=5)
                 module.decode_attention(**inputs, num_splits=3, return_lse=True, window_size_left=500,
                                         num_sink_tokens=2)
+    elif stage.kind == "backward":  # the forward runs too: the sanitizer checks both
+        for head_dim, options in ((64, {"causal": True}), (128, {"window_size": (100, 10), "num_sink_tokens": 3,
+                                                                 "sink_logits": torch.linspace(-1, 1, 4, device="cuda")})):
+            q, k, v = testing.random_qkv(1, 200, 300, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
+            o, lse = module.attention(q, k, v, return_lse=True, **options)
+            module.attention_backward(torch.randn_like(q), q, k, v, o, lse, **options)
     else:
         features = [{}]
         if number >= 4:

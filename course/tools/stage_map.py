@@ -1,7 +1,7 @@
 """The landing page's map of the stages, drawn from the registry (``course.runtime.stages``) when the
 site is built (docs/hooks/course_site.py), so it shows every stage the registry has and never goes
 stale: a box per ready stage with its title and what it adds, in reading order along a snake (left to
-right, then right to left), prefill and decode stages in their own colours.
+right, then right to left), prefill, decode and backward stages in their own colours.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from course.runtime import stages
 SVG_PATH = "assets/course-stages.svg"  # where the site serves it (docs/index.md links it)
 PER_ROW = 4
 BOX_W, BOX_H, GAP_X, GAP_Y, MARGIN, TOP = 180, 104, 34, 34, 20, 40
-COLOURS = {"prefill": ("#dbeafe", "#1e40af"), "decode": ("#ede9fe", "#5b21b6")}
+COLOURS = {"prefill": ("#dbeafe", "#1e40af"), "decode": ("#ede9fe", "#5b21b6"), "backward": ("#dcfce7", "#166534")}
 TITLE_CHARS, ADDS_CHARS, ADDS_LINES = 24, 31, 4  # what fits a box at 12 and 10.5 px
 
 
@@ -73,7 +73,8 @@ def svg() -> str:
         if index + 1 < len(ready):
             body.append(arrow(index))
     for i, (kind, what) in enumerate((("prefill", "prefill: [B, S, H, D]"),
-                                      ("decode", "decode: one query token per sequence"))):
+                                      ("decode", "decode: one query token per sequence"),
+                                      ("backward", "backward: dQ, dK, dV"))):
         fill, stroke = COLOURS[kind]
         x = MARGIN + i * 260
         body += [f'<rect x="{x}" y="{legend_y}" width="16" height="12" fill="{fill}" stroke="{stroke}"/>',

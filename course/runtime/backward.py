@@ -1,0 +1,170 @@
+"""Host side of the backward pass (stage 11): validation, the preprocess and postprocess, compile, launch.
+
+The main kernel computes dK, dV and a float32 sum of dQ; around it:
+
+- preprocess (a kernel of the stage): D = rowsum(dO * O) per query row, and the
+  forward's LSE in the log2 domain with +inf for a row that saw no key
+  (P = exp2(S - inf) = 0), both [B, H_q, S_q] padded to whole Q tiles (the
+  padding is +inf and 0: no row), and the float32 dQ sum zeroed;
+- postprocess (a kernel of the stage): dQ = softmax_scale * the float32 sum, in
+  q's dtype; on the host, the sink logits' gradient
+  dsink[h] = -sum over (b, i) of exp(sink[h] - LSE) * D.
+"""
+
+from __future__ import annotations
+
+import math
+
+from course.runtime import launch, prefill, validation
+from course.runtime.compile import (
+    CompileReport,
+    cross_compile,
+    fake_attention_tensors,
+    symbolic_tensor,
+)
+
+LOG2_E = math.log2(math.e)
+HEAD_DIMS = ((64, 64), (128, 128))
+STAGE = (11, "the backward pass")
+TILE_M = 64  # the kernel's Q tile: D and the LSE are padded to a multiple of it
+
+
+def kernel_configs() -> list[prefill.KernelConfig]:
+    """Both dtypes, D 64 and 128, every combination of window sides and sink tokens."""
+    either = (False, True)
+    return [prefill.KernelConfig(dtype, d, left, right, tokens)
+            for dtype in prefill.DTYPES for d, _ in HEAD_DIMS for left in either for right in either
+            for tokens in (either if left else (False,))]
+
+
+def fake_arguments(config: prefill.KernelConfig) -> tuple:
+    import cutlass
+    import torch
+
+    dtype = getattr(torch, config.dtype)
+    symbols: dict = {}
+    q, k, v, do = fake_attention_tensors(dtype, config.head_dim, symbols)
+    rows = {}  # LSE and D share their padded sizes, not q's
+    lse = symbolic_tensor(torch.float32, ("b", "h", "s_pad"), symbols=rows, stride_divisibility=4)
+    d = symbolic_tensor(torch.float32, ("b", "h", "s_pad"), symbols=rows, stride_divisibility=4)
+    dq_accum = symbolic_tensor(torch.float32, ("B", "S_q", "H_q", config.head_dim), symbols=symbols,
+                               stride_divisibility=4)
+    dk = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
+    dv = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
+    return (q, k, v, do, lse, d, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0),
+            cutlass.Int32(0), cutlass.Int32(0))
+
+
+def cross_compile_config(kernel_class, config: prefill.KernelConfig, *, stage: int,
+                         keep: bool = False) -> CompileReport:
+    return cross_compile(kernel_class(config), *fake_arguments(config), name=f"stage{stage:02d}_bwd_{config.name}",
+                         keep=keep)
+
+
+def check_backward_inputs(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                          sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None) -> validation.AttentionShape:
+    """Validate the forward's inputs and options, then dO, O, the LSE and the gradient buffers."""
+    import torch
+
+    shape = validation.check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                              window_size=window_size, sink_logits=sink_logits,
+                                              num_sink_tokens=num_sink_tokens)
+    if (shape.head_dim, shape.head_dim_v) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"{validation.describe_dims(shape.head_dim, shape.head_dim_v)}: stage {STAGE[0]} ({STAGE[1]}) "
+            f"takes {validation.describe_head_dims(HEAD_DIMS)}; the forward takes more")
+    bshd = "[batch, seqlen_q, heads_q, head_dim]"
+    o_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
+    for name, t in (("do", do), ("o", o)):
+        validation._check_tensor(name, t, rank=4, layout=bshd)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected {q.dtype} like q")
+        if tuple(t.shape) != o_shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {o_shape}, the forward's output")
+    lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor (the forward's, from return_lse=True); got {type(lse).__name__}")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != lse_shape:
+        raise ValueError(f"lse has shape {tuple(lse.shape)} and dtype {lse.dtype}; expected {lse_shape} = "
+                         "[B, H_q, S_q] float32, as attention(..., return_lse=True) returns it")
+    for name, buffer, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buffer is not None:
+            validation._check_tensor(name, buffer, rank=4, layout="like " + {"dq": "q", "dk": "k", "dv": "v"}[name])
+            if buffer.dtype != like.dtype or buffer.shape != like.shape:
+                raise ValueError(f"{name} has shape {tuple(buffer.shape)} and dtype {buffer.dtype}; expected "
+                                 f"{tuple(like.shape)} and {like.dtype}, like the input it is the gradient of")
+            if validation._overlaps_itself(buffer):
+                raise ValueError(f"{name} has strides {buffer.stride()}: two of its elements share one address; "
+                                 "pass a fresh tensor (torch.empty)")
+    return shape
+
+
+def preprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int):
+    """The preprocess pass (``kernel_class.preprocess``) and its symbolic arguments: dO, O [B, S, H, D]; the LSE
+    [B, H, S]; the padded log2 LSE and D [B, H, S_pad]; the float32 dQ sum [B, S, H, D]."""
+    import torch
+
+    symbols: dict = {}
+    do, o = (symbolic_tensor(torch_dtype, ("B", "S", "H", head_dim), symbols=symbols) for _ in range(2))
+    lse = symbolic_tensor(torch.float32, ("B", "H", "S"), symbols=symbols, align=4, stride_divisibility=1)
+    lse2, d = (symbolic_tensor(torch.float32, ("B", "H", "S_pad"), symbols=symbols, stride_divisibility=4)
+               for _ in range(2))
+    dq_accum = symbolic_tensor(torch.float32, ("B", "S", "H", head_dim), symbols=symbols, stride_divisibility=4)
+    return kernel_class.preprocess(head_dim), (do, o, lse, lse2, d, dq_accum)
+
+
+def postprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int):
+    """The postprocess pass (``kernel_class.postprocess``: the float32 dQ sum to dQ) and its symbolic arguments."""
+    import cutlass
+    import torch
+
+    symbols: dict = {}
+    dq_accum = symbolic_tensor(torch.float32, ("B", "S", "H", head_dim), symbols=symbols, stride_divisibility=4)
+    dq = symbolic_tensor(torch_dtype, ("B", "S", "H", head_dim), symbols=symbols)
+    return kernel_class.postprocess(head_dim), (dq_accum, dq, cutlass.Float32(1.0))
+
+
+def sink_gradient(sink_logits, lse, d):
+    """dL/dsink[h] = -sum_{b,i} P_sink[b,h,i] D[b,h,i], with P_sink = exp(sink[h] - LSE) (0 where both are -inf)."""
+    import torch
+
+    p_sink = torch.exp(sink_logits.float()[None, :, None] - lse)
+    p_sink = torch.nan_to_num(p_sink, nan=0.0)
+    return -(p_sink * d).sum(dim=(0, 2))
+
+
+def attention_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
+                       window_size=(-1, -1), sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None):
+    """Validate, preprocess, launch ``kernel_class`` (compiled once per configuration), postprocess.
+
+    Returns (dq, dk, dv), and dsink (float32 [H_q]) last when ``sink_logits`` is given.
+    """
+    import torch
+
+    shape = check_backward_inputs(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                                  dq=dq, dk=dk, dv=dv)
+    validation.check_on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse, sink_logits=sink_logits, dq=dq, dk=dk, dv=dv)
+    left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, shape)
+    config = prefill.KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
+                                  left >= 0 and num_sink_tokens > 0)
+    kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
+    key = (q.dtype, shape.head_dim)
+    pre = launch.compiled((kernel_class.preprocess, *key),
+                          lambda: preprocess_kernel_and_args(kernel_class, *key))
+    post = launch.compiled((kernel_class.postprocess, *key),
+                           lambda: postprocess_kernel_and_args(kernel_class, *key))
+    scale = validation.resolve_scale(softmax_scale, shape.head_dim)
+    padded_rows = -(-shape.seqlen_q // TILE_M) * TILE_M
+    rows = (shape.batch, shape.heads_q, padded_rows)
+    lse_log2, d = (torch.empty(rows, device=q.device, dtype=torch.float32) for _ in range(2))
+    dq_accum = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    pre(do, o, lse, lse_log2, d, dq_accum)
+    kernel(q, k, v, do, lse_log2, d, dq_accum, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens)
+    post(dq_accum, dq, scale)
+    if sink_logits is None:
+        return dq, dk, dv
+    return dq, dk, dv, sink_gradient(sink_logits, lse, d[..., :shape.seqlen_q])

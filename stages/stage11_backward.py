@@ -1,0 +1,615 @@
+"""Stage 11: the backward pass.
+
+Compared with stage 10, this stage adds the gradients dQ, dK, dV (and the sink
+logits' dsink), because training and fine-tuning run them, and they are half
+of FlashAttention: the forward keeps only O and the LSE, and the backward
+recomputes each probability tile P = exp(S - LSE) from Q, K and the LSE rather
+than storing the S_q x S_k matrix. The forward is stage 10's, imported.
+
+FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
+
+1. Preprocess (host, once per call): D = rowsum(dO * O) per query row (the
+   softmax's Jacobian needs it: dS = P * (dP - D)), and the LSE moved to the
+   log2 domain, with +inf where a row saw no key (so that P = 0 there), both
+   padded to whole Q tiles.
+2. One CTA per (KV tile, KV head, batch) keeps its K and V tile in shared
+   memory and its dK and dV in registers, and walks every Q tile that sees
+   the KV tile (for each query head of its group: GQA's sum over the group
+   happens in registers, with no atomics). Per Q tile, with Q, dO, LSE and D
+   loaded by a producer warp two tiles ahead:
+       S^T  = K Q^T            P^T  = exp2(S^T scale log2(e) - LSE)
+       dP^T = V dO^T           dS^T = P^T * (dP^T - D)
+       dV  += P^T dO           dK  += dS^T Q
+       dQ   = dS K             (added into a float32 dQ in global memory)
+   The first two products are computed transposed (K, V are the A operand)
+   so that P^T and dS^T land in registers as the A operand of the next two:
+   they never touch shared memory. dQ needs dS itself, with the Q tile's rows
+   as M: dS^T goes to shared memory once, and dQ reads it through a
+   transposed view. Q and dO are each read in two orientations (K-major for
+   S and dP, M-major for dK and dV); one swizzled layout serves both.
+3. dQ: every CTA whose KV tile a Q tile sees adds its share, so the shares are
+   summed in float32 in global memory: each step's dQ goes to shared memory
+   and one thread adds it with a TMA reduce-add (``cp.reduce.async.bulk``),
+   which the L2 applies. The host scales the sum and converts it.
+
+Masks (causal, windows, sink tokens) choose the Q tiles a KV tile visits and
+set S to -inf outside; sink logits change only the LSE (the forward's) and
+get their gradient on the host: dsink[h] = -sum over rows of exp(sink - LSE) * D.
+
+Run it:
+    python -m course check 11 --impl solutions     # this stage's tests
+    python -m solutions.stage11_backward           # one backward against autograd (needs a Hopper GPU)
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from course.runtime import backward
+from solutions.stage08_fa3_prefill import (
+    LOG2_E,
+    REGISTERS,
+    WindowMask,
+    acc_layout_as_operand_a,
+    bshd_as_rows_dim,
+    rows_cols_view,
+    warpgroup_gemm,
+)
+from solutions.stage10_varlen_prefill import attention  # noqa: F401 (the forward this stage differentiates)
+
+STAGE = 11
+TILE_M = 64    # query rows per step: the N of S^T = K Q^T, the M of dQ = dS K
+TILE_N = 128   # keys per CTA: 64 per MMA warpgroup
+Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
+MMA_WGS = 2
+
+
+class Barrier(IntEnum):
+    """Named barriers of the two MMA warpgroups (0 is __syncthreads)."""
+
+    DS_READY = 1   # both halves of dS^T are in shared memory (dQ = dS K reads both)
+    DQ_EMPTY = 2   # the last dQ reduce-add has read its buffer, and both dQ MMAs have read dS
+    DQ_FULL = 3    # both halves of dQ are in shared memory
+    EPILOGUE = 4
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The same shared memory with its first two modes swapped: (rows, cols, ...) -> (cols, rows, ...).
+
+    A K-major swizzled tile read this way is the M/N-major operand of the
+    transposed product: the bytes do not move.
+    """
+    order = [1, 0] + list(range(2, cute.rank(t.layout)))
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
+
+
+# --8<-- [start:mask]
+class KeyTileMask(WindowMask):
+    """Stage 8's window rules seen from a KV tile: which Q tiles see it, and -inf in S^T elsewhere.
+
+    ``row0`` is set per Q tile (``at``); the rules (bottom-right aligned,
+    sink tokens exempt from the left bound) are stage 8's.
+    """
+
+    def __init__(self, n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config):
+        super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, TILE_M, TILE_N)
+        self.n_block = n_block
+        self.key0 = n_block * TILE_N
+
+    @cute.jit
+    def m_block_range(self):
+        """[m_block_min, m_block_max): the Q tiles with a row that sees some key of this KV tile."""
+        # TODO(stage 11): The half-open range of Q tiles holding every query row that sees at least
+        #   one key of this KV tile: a row sees key j iff j < S_k and row + offset - left <= j <=
+        #   row + offset + right, and a sink token (j < num_sink_tokens) ignores the left bound.
+        #   Both ends in [0, number of Q tiles], min <= max; an unbounded side compiles to no code.
+        #   (stage 11 page: Which Q tiles see a KV tile)
+        raise NotImplementedError('TODO(stage 11) in m_block_range(): The half-open range of Q tiles holding every query row that sees at least one key of this KV tile: a row sees key j iff j < S_k and row + offset - left <= j <= row + offset + right, and a sink token (j < num_sink_tokens) ignores the left bound. Both ends in [0, number of Q tiles], min <= max; an unbounded side compiles to no code. (stage 11 page: Which Q tiles see a KV tile) Hints: docs/stages/11-backward.md')
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def tile_is_partial(self, m_block: cutlass.Int32):
+        """Does Q tile ``m_block`` see only some keys of this KV tile? Full pairs skip the mask."""
+        row0 = m_block * self.tile_m
+        partial = self.key0 + self.tile_n > self.seqlen_k
+        if cutlass.const_expr(self.has_right):
+            partial = partial | (self.key0 + self.tile_n - 1 > row0 + self.offset + self.right)
+        if cutlass.const_expr(self.has_left):
+            partial = partial | (self.key0 < row0 + self.tile_m - 1 + self.offset - self.left)
+        return partial
+
+    @cute.jit
+    def apply_transposed(self, acc_St: cute.Tensor, tStcSt: cute.Tensor, m_block: cutlass.Int32):
+        """S^T to -inf where a query row may not see a key: registers hold (key, row) pairs."""
+        s = rows_cols_view(acc_St)
+        coord = rows_cols_view(tStcSt)
+        row0 = m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            key = self.key0 + coord[r, 0][0]
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                row = row0 + coord[r, c][1]
+                hidden = key >= self.seqlen_k
+                if cutlass.const_expr(self.has_right):
+                    hidden = hidden | (key > row + self.offset + self.right)
+                if cutlass.const_expr(self.has_left):
+                    hidden = hidden | self.outside_left_bound(key, row + self.offset - self.left)
+                if hidden:
+                    s[r, c] = -cutlass.Float32.inf
+# --8<-- [end:mask]
+
+
+# --8<-- [start:gradients]
+@cute.jit
+def probabilities_and_score_gradients(acc_St: cute.Tensor, acc_dPt: cute.Tensor, tStcSt: cute.Tensor,
+                                      sLSE: cute.Tensor, sD: cute.Tensor, scale_log2: cutlass.Float32):
+    """P^T = exp2(S^T scale_log2 - LSE_log2) into acc_St, then dS^T = P^T (dP^T - D) into acc_dPt.
+
+    Columns are query rows: each column's LSE (log2 domain, +inf for a row
+    that saw nothing) and D come from shared memory. The caller waits for S
+    before and for dP between the two halves (``wait_dp``).
+    """
+    # TODO(stage 11): P^T = exp2(S^T * scale_log2 - LSE) and dS^T = P^T * (dP^T - D), each column's
+    #   LSE and D from shared memory (indexed by the column's query row inside the tile). Every
+    #   register of acc_St and acc_dPt is rewritten. (stage 11 page: The gradient of a softmax)
+    raise NotImplementedError("TODO(stage 11) in probabilities_and_score_gradients(): P^T = exp2(S^T * scale_log2 - LSE) and dS^T = P^T * (dP^T - D), each column's LSE and D from shared memory (indexed by the column's query row inside the tile). Every register of acc_St and acc_dPt is rewritten. (stage 11 page: The gradient of a softmax) Hints: docs/stages/11-backward.md")
+# --8<-- [end:gradients]
+
+
+# --8<-- [start:preprocess]
+class Preprocess:
+    """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32, the LSE in log2 units
+    with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf) = 0
+    there), and the float32 dQ sum zeroed. One thread per 8 values (16 bytes) of a row."""
+
+    vec = 8
+
+    def __init__(self, head_dim: int):
+        self.threads_per_row = head_dim // self.vec
+        self.rows_per_cta = 128 // self.threads_per_row
+
+    @cute.jit
+    def __call__(self, mdO: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+                 mdQaccum: cute.Tensor, stream):
+        grid = ((mLSE2.shape[2] + self.rows_per_cta - 1) // self.rows_per_cta, mLSE2.shape[1], mLSE2.shape[0])
+        self.kernel(mdO, mO, mLSE, mLSE2, mD, mdQaccum).launch(grid=grid, block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdO: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+               mdQaccum: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        s_block, head, batch = cute.arch.block_idx()
+        row = s_block * self.rows_per_cta + tidx // self.threads_per_row
+        chunk = tidx % self.threads_per_row
+        partial = cutlass.Float32(0.0)
+        lse2 = cutlass.Float32.inf
+        if row < mdO.shape[1]:
+            do = cute.local_tile(mdO[batch, row, head, None], (self.vec,), (chunk,)).load().to(cutlass.Float32)
+            o = cute.local_tile(mO[batch, row, head, None], (self.vec,), (chunk,)).load().to(cutlass.Float32)
+            partial = (do * o).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+            zeros = cute.make_rmem_tensor(self.vec, cutlass.Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (chunk,)))
+            lse = mLSE[batch, head, row]
+            if lse != -cutlass.Float32.inf:
+                lse2 = lse * LOG2_E
+        # Every lane reduces (a shuffle needs the whole group), rows past S_q with a partial sum of 0.
+        d = cute.arch.warp_reduction_sum(partial, threads_in_group=self.threads_per_row)
+        if row < mLSE2.shape[2] and chunk == 0:
+            mLSE2[batch, head, row] = lse2
+            mD[batch, head, row] = d
+
+
+class ConvertDQ:
+    """After the main kernel: dQ = softmax_scale * the float32 sum, in q's dtype (8 values per thread)."""
+
+    vec = 8
+
+    def __init__(self, head_dim: int):
+        self.threads_per_row = head_dim // self.vec
+        self.rows_per_cta = 128 // self.threads_per_row
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32, stream):
+        grid = ((mdQ.shape[1] + self.rows_per_cta - 1) // self.rows_per_cta, mdQ.shape[2], mdQ.shape[0])
+        self.kernel(mdQaccum, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        s_block, head, batch = cute.arch.block_idx()
+        row = s_block * self.rows_per_cta + tidx // self.threads_per_row
+        chunk = tidx % self.threads_per_row
+        if row < mdQ.shape[1]:
+            total = cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (chunk,)).load()
+            dq = cute.local_tile(mdQ[batch, row, head, None], (self.vec,), (chunk,))
+            dq.store((total * softmax_scale).to(mdQ.element_type))
+# --8<-- [end:preprocess]
+
+
+def bhs_as_s_h_b(t: cute.Tensor) -> cute.Tensor:
+    """[B, H, S] (LSE, D) -> (S, H, B): the row mode first, as TMA indexes it."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+
+
+class AttentionBackward:
+    """dQ (a float32 sum), dK, dV of the attention stage 10 computes, for one ``prefill.KernelConfig``;
+    the passes before and after it are ``preprocess`` and ``postprocess``."""
+
+    preprocess, postprocess = Preprocess, ConvertDQ
+
+    def __init__(self, config):
+        self.config = config
+        self.dtype = config.cute_dtype
+        self.head_dim = config.head_dim
+        self.mma_threads = 128 * MMA_WGS
+        self.num_threads = 128 + self.mma_threads  # producer warpgroup, then the MMA warpgroups
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32,
+                 window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, stream):
+        mQ, mK, mV, mdO = (bshd_as_rows_dim(t) for t in (mQ, mK, mV, mdO))
+        mdQaccum, mdK, mdV = (bshd_as_rows_dim(t) for t in (mdQaccum, mdK, mdV))
+        mLSE, mD = bhs_as_s_h_b(mLSE), bhs_as_s_h_b(mD)
+        sdp_mma, dkv_mma, dq_mma = self.tiled_mmas()
+        layouts = self.smem_layouts()
+        self.define_shared_storage(*layouts)
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout = layouts
+        one_stage = (None, None, 0)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        d = self.head_dim
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, one_stage), (TILE_M, d))
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sdO_layout, one_stage), (TILE_M, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (TILE_N, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (TILE_N, d))
+        row_layout = cute.make_layout(TILE_M)
+        tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row_layout, (TILE_M,))
+        tma_d, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD, row_layout, (TILE_M,))
+        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+                                                      sdQ_layout, (TILE_M, d))
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (TILE_N, d))
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (TILE_N, d))
+        n_blocks = (mK.shape[0] + TILE_N - 1) // TILE_N
+        self.kernel(
+            sdp_mma, dkv_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
+            tma_lse, tma_mLSE, tma_d, tma_mD, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV,
+            scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, *layouts,
+        ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream)
+
+    def tiled_mmas(self):
+        """(S^T = K Q^T and dP^T = V dO^T; dV += P^T dO and dK += dS^T Q; dQ = dS K) as tiled WGMMAs."""
+        dtype, d = self.dtype, self.head_dim
+        # Warpgroup w owns keys [64 w, 64 w + 64) of the KV tile in the first four products.
+        sdp_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (MMA_WGS, 1, 1), (64, TILE_M))
+        # P^T and dS^T from registers; dO and Q read M/N-major (head_dim contiguous).
+        dkv_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS, 1, 1), (64, d),
+            warpgroup.OperandSource.RMEM)
+        # dQ: the Q tile's 64 rows, warpgroup w owns half of head_dim; dS and K both M/N-major.
+        dq_mma = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (1, MMA_WGS, 1),
+            (64, d // MMA_WGS))
+        return sdp_mma, dkv_mma, dq_mma
+
+    def smem_layouts(self):
+        """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ), dQ in float32."""
+        dtype, d = self.dtype, self.head_dim
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
+        sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
+        kv_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, 1),
+                                (None, None, 0))
+        sdS_layout = cute.slice_(
+            sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, 1), (None, None, 0))
+        sdQ_layout = cute.slice_(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), cutlass.Float32, 1),
+            (None, None, 0))
+        return sQ_layout, sdO_layout, kv_layout, kv_layout, sdS_layout, sdQ_layout
+
+    @cute.jit
+    def define_shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
+        dtype = self.dtype
+
+        @cute.struct
+        class SharedStorage:
+            kv_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            q_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            do_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, TILE_M * Q_STAGES], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, TILE_M * Q_STAGES], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sdQ_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        one_stage = (None, None, 0)
+        row_bytes = TILE_M * 4
+        self.q_bytes = cute.size_in_bytes(dtype, cute.slice_(sQ_layout, one_stage)) + row_bytes  # Q and its LSE
+        self.do_bytes = cute.size_in_bytes(dtype, cute.slice_(sdO_layout, one_stage)) + row_bytes  # dO and its D
+        self.kv_bytes = cute.size_in_bytes(dtype, sK_layout) + cute.size_in_bytes(dtype, sV_layout)
+
+    @cute.kernel
+    def kernel(self, sdp_mma: cute.TiledMma, dkv_mma: cute.TiledMma, dq_mma: cute.TiledMma,
+               tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+               tma_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_d: cute.CopyAtom, mD: cute.Tensor,
+               tma_dq: cute.CopyAtom, mdQ: cute.Tensor, tma_dk: cute.CopyAtom, mdK: cute.Tensor,
+               tma_dv: cute.CopyAtom, mdV: cute.Tensor, scale_log2: cutlass.Float32,
+               softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+               num_sink_tokens: cutlass.Int32, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               sdQ_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        smem = self.shared_tensors(storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout)
+        pipes = self.make_pipelines(storage)
+        if warp_idx == 0:
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_d, tma_dq, tma_dk, tma_dv):
+                cpasync.prefetch_descriptor(atom)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Each role reads its coordinates after changing its register count (values live across the
+        # change may be spilled).
+        if warpgroup_idx > 0:
+            cute.arch.setmaxregister_increase(REGISTERS[MMA_WGS][1])
+            n_block, head_kv, batch = cute.arch.block_idx()
+            group = mQ.shape[2] // mK.shape[2]
+            self.mma(sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
+                     batch, group, mQ.shape[0], mK.shape[0], scale_log2, softmax_scale, window_left, window_right,
+                     num_sink_tokens)
+        else:
+            cute.arch.setmaxregister_decrease(REGISTERS[MMA_WGS][0])
+            if warp_idx == 0:
+                n_block, head_kv, batch = cute.arch.block_idx()
+                group = mQ.shape[2] // mK.shape[2]
+                self.load(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
+                          n_block, head_kv, batch, group, window_left, window_right, num_sink_tokens)
+
+    def shared_tensors(self, storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
+        """sQ, sdO, sK, sV, sdS, sdQ with their swizzled layouts, then sLSE and sD as (TILE_M, Q_STAGES)."""
+        swizzled = tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
+            (storage.sQ, sQ_layout), (storage.sdO, sdO_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
+            (storage.sdS, sdS_layout), (storage.sdQ, sdQ_layout)))
+        rows = cute.make_layout((TILE_M, Q_STAGES))
+        return swizzled + (storage.sLSE.get_tensor(rows), storage.sD.get_tensor(rows))
+
+    def make_pipelines(self, storage):
+        """K and V (once per CTA), Q with its LSE and dO with its D (a ring of Q_STAGES each)."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32)
+        pipeline_kv = pipeline.PipelineTmaAsync.create(
+            num_stages=1, producer_group=producer, consumer_group=consumers, tx_count=self.kv_bytes,
+            barrier_storage=storage.kv_bars.data_ptr(), defer_sync=True)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            num_stages=Q_STAGES, producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes,
+            barrier_storage=storage.q_bars.data_ptr(), defer_sync=True)
+        pipeline_do = pipeline.PipelineTmaAsync.create(
+            num_stages=Q_STAGES, producer_group=producer, consumer_group=consumers, tx_count=self.do_bytes,
+            barrier_storage=storage.do_bars.data_ptr(), defer_sync=True)
+        return pipeline_kv, pipeline_q, pipeline_do
+
+    def key_tile_mask(self, n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens):
+        return KeyTileMask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, self.config)
+
+    # --8<-- [start:producer]
+    @cute.jit
+    def load(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
+             n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
+             window_left: cutlass.Int32, window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32):
+        """The producer warp: this CTA's K and V, then Q, LSE, dO, D of every step, two steps ahead."""
+        sQ, sdO, sK, sV, _, _, sLSE, sD = smem
+        pipeline_kv, pipeline_q, pipeline_do = pipes
+        d = self.head_dim
+        one_cta = cute.make_layout(1)
+        mask = self.key_tile_mask(n_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens)
+        m_block_min, m_block_max = mask.m_block_range()
+        n_m = m_block_max - m_block_min
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        pipeline_kv.producer_acquire(kv_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        kv_state.advance()
+
+        for step in cutlass.range(group * n_m, unroll=1):
+            head = head_kv * group + step // n_m
+            m_block = m_block_min + step % n_m
+            gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
+            gLSE = cute.local_tile(mLSE[None, head, batch], (TILE_M,), (None,))
+            gD = cute.local_tile(mD[None, head, batch], (TILE_M,), (None,))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
+                                                   cute.group_modes(gdO, 0, 2))
+            tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one_cta, cute.group_modes(sLSE, 0, 1),
+                                               cute.group_modes(gLSE, 0, 1))
+            tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one_cta, cute.group_modes(sD, 0, 1),
+                                               cute.group_modes(gD, 0, 1))
+            pipeline_q.producer_acquire(q_state)
+            bar = pipeline_q.producer_get_barrier(q_state)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
+            cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, q_state.index], tma_bar_ptr=bar)
+            q_state.advance()
+            pipeline_do.producer_acquire(do_state)
+            bar = pipeline_do.producer_get_barrier(do_state)
+            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, do_state.index], tma_bar_ptr=bar)
+            cute.copy(tma_d, tDgD[None, m_block], tDsD[None, do_state.index], tma_bar_ptr=bar)
+            do_state.advance()
+        pipeline_kv.producer_tail(kv_state)
+        pipeline_q.producer_tail(q_state)
+        pipeline_do.producer_tail(do_state)
+    # --8<-- [end:producer]
+
+    # --8<-- [start:consumer]
+    @cute.jit
+    def mma(self, sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, smem, pipes,
+            n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
+            seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32, scale_log2: cutlass.Float32,
+            softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+            num_sink_tokens: cutlass.Int32):
+        """The two MMA warpgroups: every step's five products; dK and dV at the end."""
+        sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD = smem
+        pipeline_kv, pipeline_q, pipeline_do = pipes
+        d = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        mma_tidx = tidx - 128
+        thr_sdp = sdp_mma.get_slice(mma_tidx)
+        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
+        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
+        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))    # (MMA, N, K, Q_STAGES)
+        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+        acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, TILE_M)))
+        acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, TILE_M)))
+        tStcSt = thr_sdp.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
+        tStsdSt = thr_sdp.partition_C(transposed(sdS))                # where this thread's dS^T values go
+        thr_dkv = dkv_mma.get_slice(mma_tidx)
+        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))  # dO^T: (N = d, K = rows)
+        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
+        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
+        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
+        thr_dq = dq_mma.get_slice(mma_tidx)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK)))  # K^T: (N = d, K = keys)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
+        tdQsdQ = thr_dq.partition_C(sdQ)
+        # P^T and dS^T as 16-bit A operands, in the registers' order of S^T (stage 8's P)
+        rP = cute.make_rmem_tensor_like(acc_St, self.dtype)
+        tdVrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
+        rdS = cute.make_rmem_tensor_like(acc_dPt, self.dtype)
+        tdKrdS = cute.make_tensor(rdS.iterator, acc_layout_as_operand_a(rdS.layout))
+
+        mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens)
+        m_block_min, m_block_max = mask.m_block_range()
+        n_m = m_block_max - m_block_min
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        pipeline_kv.consumer_wait(kv_state)
+        tile_is_partial = mask.tile_is_partial
+        apply_mask = mask.apply_transposed
+        for step in cutlass.range(group * n_m, unroll=1):
+            head = head_kv * group + step // n_m
+            m_block = m_block_min + step % n_m
+            q, o = q_state.index, do_state.index
+            pipeline_q.consumer_wait(q_state)
+            warpgroup_gemm(sdp_mma, acc_St, tSrK, tSrQ[None, None, None, q])
+            pipeline_do.consumer_wait(do_state)
+            warpgroup_gemm(sdp_mma, acc_dPt, tSrV, tSrdO[None, None, None, o])
+            warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+            if tile_is_partial(m_block):
+                apply_mask(acc_St, tStcSt, m_block)
+            warpgroup.wait_group(0)
+            probabilities_and_score_gradients(acc_St, acc_dPt, tStcSt, sLSE[None, q], sD[None, o], scale_log2)
+            rP.store(acc_St.load().to(self.dtype))
+            rdS.store(acc_dPt.load().to(self.dtype))
+            warpgroup_gemm(dkv_mma, acc_dV, tdVrP, tdVrdO[None, None, None, o], zero_init=False)
+            # dS^T to shared memory: the last step's dQ MMAs finished reading it (DQ_EMPTY).
+            cute.autovec_copy(rdS, tStsdSt)
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy stores, then WGMMA reads
+            cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=self.mma_threads)
+            warpgroup_gemm(dkv_mma, acc_dK, tdKrdS, tdKrQ[None, None, None, q], zero_init=False)
+            warpgroup_gemm(dq_mma, acc_dQ, tdQrdS, tdQrK)
+            warpgroup.wait_group(0)
+            pipeline_q.consumer_release(q_state)
+            pipeline_do.consumer_release(do_state)
+            q_state.advance()
+            do_state.advance()
+            # dQ through shared memory into the float32 sum: one reduce-add per step.
+            # The first MMA warp issues the reduce-adds (they elect one lane: the whole warp must be here).
+            first_warp = mma_tidx < 32
+            if first_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last reduce-add has read sdQ
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=self.mma_threads)
+            cute.autovec_copy(acc_dQ, tdQsdQ)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=self.mma_threads)
+            if first_warp:
+                gdQ = cute.local_tile(mdQ[None, None, head, batch], (TILE_M, d), (m_block, 0))
+                tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                                                     cute.group_modes(gdQ, 0, 2))
+                cute.copy(tma_dq, tQsdQ, tQgdQ)
+                cute.arch.cp_async_bulk_commit_group()
+        self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, dkv_mma, mma_tidx, n_block, head_kv,
+                         batch, softmax_scale)
+        pipeline_kv.consumer_release(kv_state)
+    # --8<-- [end:consumer]
+
+    @cute.jit
+    def store_dk_dv(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, dkv_mma, mma_tidx, n_block, head_kv,
+                    batch, softmax_scale: cutlass.Float32):
+        """dK (times softmax_scale) and dV to 16 bits, into K's and V's shared memory, then TMA stores
+        (rows past S_k are clipped by the TMA unit)."""
+        d = self.head_dim
+        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        thr_dkv = dkv_mma.get_slice(mma_tidx)
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)  # K, V read
+        cute.autovec_copy(rdK, thr_dkv.partition_C(sK))
+        cute.autovec_copy(rdV, thr_dkv.partition_C(sV))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)
+        if mma_tidx < 32:  # the warp whose lane 0 issued the reduce-adds: it waits for them below
+            one_cta = cute.make_layout(1)
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+            bsK, bgK = cpasync.tma_partition(tma_dk, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2))
+            bsV, bgV = cpasync.tma_partition(tma_dv, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2))
+            cute.copy(tma_dk, bsK, bgK)
+            cute.copy(tma_dv, bsV, bgV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # every reduce-add and store has read its buffer
+
+
+KERNEL_CONFIGS = backward.kernel_configs()
+
+
+def cross_compile_config(config, keep: bool = False):
+    """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
+    return backward.cross_compile_config(AttentionBackward, config, stage=STAGE, keep=keep)
+
+
+def attention_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None):
+    """dQ, dK, dV (and dsink with ``sink_logits``) of ``attention`` on [B, S, H, D]; see docs/contract.md.
+
+    ``o`` and ``lse`` are the forward's (``attention(..., return_lse=True)``).
+    """
+    return backward.attention_backward(AttentionBackward, do, q, k, v, o, lse, softmax_scale=softmax_scale,
+                                       causal=causal, window_size=window_size, sink_logits=sink_logits,
+                                       num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv)
+
+
+if __name__ == "__main__":
+    import torch
+
+    from course.testing import demo
+
+    demo.backward(attention, attention_backward, window_size=(128, 0), num_sink_tokens=4,
+                  sink_logits=torch.linspace(-2, 2, 8, device="cuda"))

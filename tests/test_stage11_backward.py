@@ -1,0 +1,215 @@
+"""Stage 11 checks: dQ, dK, dV (and dsink) against the float64 reference's autograd, within twice the error
+of PyTorch's own backward in the same precision: fp16 and bf16, D 64 and 128, MHA, GQA and MQA, lengths that
+are not tile multiples with S_q != S_k both ways, every mask (causal, windows, sink tokens) and sink logits;
+rows that see no key (exactly zero gradients), NaN-poisoned gradient buffers, and the validation of the
+backward's own arguments.
+"""
+
+import cpu_numerics
+import pytest
+import torch
+
+from course import testing
+from course.runtime import backward, stages
+from prefill_checks import pytest_generate_tests, test_cross_compiles_for_sm90a  # noqa: F401
+
+STAGE = stages.get(11)
+
+
+@pytest.fixture(scope="module")
+def stage(impl):
+    return STAGE.load(impl)
+
+# (S_q, S_k): one row, tails on both sides of a 64-row Q tile and a 128-key KV tile, S_q != S_k both ways.
+LENGTHS = ((1, 1), (65, 129), (300, 100), (200, 1000), (1000, 1000))
+MASKS = {
+    "none": {},
+    "causal": {"causal": True},
+    "window": {"window_size": (100, 30)},
+    "window-sink-tokens": {"window_size": (64, 0), "num_sink_tokens": 5},
+    "sink-logits": {"causal": True, "sink_logits": "linspace"},
+}
+
+
+def features_of(mask: str, heads_q: int) -> dict:
+    features = dict(MASKS[mask])
+    if features.get("sink_logits") == "linspace":
+        features["sink_logits"] = torch.linspace(-3, 3, heads_q, device="cuda")
+    return features
+
+
+# ---------------------------------------------------------------- validation (CPU)
+
+def cpu_inputs(s_q=16, s_k=16, h_q=4, h_kv=2, d=64, dtype=torch.float16):
+    q, k, v = testing.random_qkv(1, s_q, s_k, h_q, h_kv, d, dtype, device="cpu")
+    return {"do": torch.randn_like(q), "q": q, "k": k, "v": v, "o": torch.randn_like(q),
+            "lse": torch.zeros(1, h_q, s_q)}
+
+
+BAD_BACKWARD = {
+    "cpu-device": (lambda: cpu_inputs(), ValueError, "CUDA"),
+    "do-shape": (lambda: {**cpu_inputs(), "do": torch.zeros(1, 8, 4, 64, dtype=torch.float16)}, ValueError,
+                 "do has shape"),
+    "o-dtype": (lambda: {**cpu_inputs(), "o": torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16)}, TypeError, "o has dtype"),
+    "lse-shape": (lambda: {**cpu_inputs(), "lse": torch.zeros(1, 16, 4)}, ValueError, r"\[B, H_q, S_q\] float32"),
+    "lse-dtype": (lambda: {**cpu_inputs(), "lse": torch.zeros(1, 4, 16, dtype=torch.float16)}, ValueError, "float32"),
+    "dk-shape": (lambda: {**cpu_inputs(), "dk": torch.zeros(1, 16, 4, 64, dtype=torch.float16)}, ValueError,
+                 "dk has shape"),
+    "head-dim-96": (lambda: cpu_inputs(d=96), NotImplementedError, "head_dim 96.*stage 11"),
+    "q-fp32": (lambda: {k: (v.float() if k in "qkv" else v) for k, v in cpu_inputs().items()}, TypeError, "float16"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BACKWARD))
+def test_bad_backward_input_is_rejected_before_launch(stage, name):
+    """Each wrong argument of attention_backward fails on the CPU with a message that names it."""
+    make, error, message = BAD_BACKWARD[name]
+    with pytest.raises(error, match=message):
+        stage.attention_backward(**make())
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
+def test_row_passes_cross_compile(stage, head_dim):
+    """The preprocess and postprocess kernels compile for sm_90a (fp16 one, bf16 the other), without spilling."""
+    from course.runtime.compile import cross_compile
+
+    for make, dtype in ((backward.preprocess_kernel_and_args, torch.float16),
+                        (backward.postprocess_kernel_and_args, torch.bfloat16)):
+        kernel, args = make(stage.AttentionBackward, dtype, head_dim)
+        report = cross_compile(kernel, *args, name=f"stage11_{make.__name__}_d{head_dim}")
+        assert report.spill_bytes in (0, None), f"{report.name} spills {report.spill_bytes} bytes"
+
+
+@pytest.mark.gpu
+def test_preprocess_pads_rows_that_see_nothing(stage):
+    """The preprocess: D = rowsum(dO * O) in float32, the LSE in log2 units with +inf for an empty row (-inf) and
+    for the padding up to whole Q tiles (so P = 0 there), D = 0 on the padding, the dQ sum zeroed."""
+    from course.runtime import launch
+
+    do, o = (torch.randn(1, 3, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.tensor([[[0.5, -float("inf"), 1.0], [2.0, 0.0, -float("inf")]]], device="cuda")
+    lse2, d = (torch.full((1, 2, 64), float("nan"), device="cuda") for _ in range(2))
+    dq_accum = torch.full(do.shape, float("nan"), device="cuda")
+    pre = launch.compiled((stage.AttentionBackward.preprocess, do.dtype, 64), lambda: (
+        backward.preprocess_kernel_and_args(stage.AttentionBackward, do.dtype, 64)))
+    pre(do, o, lse, lse2, d, dq_accum)
+    expected = torch.where(torch.isinf(lse), float("inf"), lse * backward.LOG2_E)
+    torch.testing.assert_close(lse2[..., :3], expected)
+    assert torch.isposinf(lse2[..., 3:]).all() and (d[..., 3:] == 0).all(), "the padding must be LSE +inf, D 0"
+    torch.testing.assert_close(d[..., :3], (do.float() * o.float()).sum(-1).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert (dq_accum == 0).all(), "the float32 dQ sum must start at zero"
+
+
+def test_sink_gradient_matches_autograd():
+    """dsink's closed form, -sum exp(sink - LSE) * rowsum(dO * O), equals autograd of the reference (CPU)."""
+    q, k, v = testing.random_qkv(2, 37, 50, 4, 2, 16, torch.float64, device="cpu")
+    do = torch.randn_like(q)
+    sink = torch.linspace(-1, 2, 4, dtype=torch.float64)
+    features = {"window_size": (10, 0), "num_sink_tokens": 2}
+    grads = testing.reference_gradients(q, k, v, do, sink_logits=sink, **features)
+    from course.testing import reference
+    o, lse = reference.attention(q, k, v, sink_logits=sink, return_lse=True, **features)
+    d = torch.einsum("bshd,bshd->bhs", do, o)
+    assert torch.allclose(backward.sink_gradient(sink, lse.double(), d), grads[3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("features", [{}, {"causal": True}, {"window_size": (5, 2), "num_sink_tokens": 3},
+                                      {"causal": True, "sink_logits": "linspace"}], ids=["none", "causal", "window",
+                                                                                        "sink-logits"])
+def test_reference_backward_formulas_match_autograd(features):
+    """reference.attention_backward (the formulas the kernel computes) equals autograd of the reference,
+    with S_q > S_k (rows without keys) and GQA (CPU, float64)."""
+    from course.testing import reference
+
+    q, k, v = testing.random_qkv(2, 40, 25, 6, 2, 16, torch.float64, device="cpu")
+    do = torch.randn_like(q)
+    if features.get("sink_logits") == "linspace":
+        features = {**features, "sink_logits": torch.linspace(-2, 2, 6, dtype=torch.float64)}
+    formulas = reference.attention_backward(do, q, k, v, **features)
+    autograd = testing.reference_gradients(q, k, v, do, **features)
+    for name, got, want in zip(testing.GRADIENT_NAMES, formulas, autograd):
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- gradients (Hopper GPU)
+
+def run_backward(stage, q, k, v, do, features, poisoned=True):
+    out, lse = stage.attention(q, k, v, return_lse=True, **features)
+    buffers = {name: testing.poisoned_like(t) for name, t in (("dq", q), ("dk", k), ("dv", v))} if poisoned else {}
+    return stage.attention_backward(do, q, k, v, out, lse, **features, **buffers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("h_q, h_kv", testing.GQA_HEADS, ids=[f"h{a}-kv{b}" for a, b in testing.GQA_HEADS])
+@pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
+def test_gradients_match_reference(stage, dtype, head_dim, h_q, h_kv, lengths, mask):
+    s_q, s_k = lengths
+    q, k, v = testing.random_qkv(2, s_q, s_k, h_q, h_kv, head_dim, dtype, seed=s_q * 7 + s_k)
+    do = torch.randn_like(q)
+    features = features_of(mask, h_q)
+    grads = run_backward(stage, q, k, v, do, features)
+    testing.assert_gradients_match(grads, q, k, v, do, f"stage 11 {dtype} d{head_dim} h{h_q}/{h_kv} {lengths} {mask}",
+                                   **features)
+
+
+@pytest.mark.gpu
+def test_rows_without_keys_have_zero_gradients(stage):
+    """Under a causal mask with S_q > S_k the first S_q - S_k rows see no key: their dq is exactly 0, and they
+    add nothing to dk and dv (a P of exp(-inf - -inf) = NaN would poison both)."""
+    q, k, v = testing.random_qkv(1, 300, 100, 4, 4, 128, torch.bfloat16)
+    do = torch.randn_like(q)
+    dq, dk, dv = run_backward(stage, q, k, v, do, {"causal": True})
+    assert (dq[:, :200] == 0).all(), "dq of rows that see no key must be exactly 0"
+    testing.assert_gradients_match((dq, dk, dv), q, k, v, do, "rows without keys", causal=True)
+
+
+@pytest.mark.gpu
+def test_keys_no_row_sees_get_zero_gradients(stage):
+    """A window that leaves the last KV tiles unseen: their dk and dv are written, as zeros (the buffers were NaN)."""
+    q, k, v = testing.random_qkv(1, 64, 1000, 2, 2, 64, torch.float16)
+    do = torch.randn_like(q)
+    dq, dk, dv = run_backward(stage, q, k, v, do, {"window_size": (10, -1)})
+    seen_from = 1000 - 64 - 10
+    assert (dk[:, :seen_from - 128] == 0).all() and (dv[:, :seen_from - 128] == 0).all()
+
+
+@pytest.mark.gpu
+def test_softmax_scale_and_large_logits(stage):
+    q, k, v = testing.random_qkv(2, 200, 300, 4, 2, 64, torch.bfloat16)
+    do = torch.randn_like(q)
+    for scale in (0.3, 2.0):
+        grads = run_backward(stage, q, k, v, do, {"softmax_scale": scale})
+        testing.assert_gradients_match(grads, q, k, v, do, f"softmax_scale {scale}", softmax_scale=scale)
+
+
+@pytest.mark.gpu
+def test_gradients_of_the_sum_over_the_group(stage):
+    """MQA with 16 query heads: dk and dv sum 16 heads' contributions, in the CTA's registers."""
+    q, k, v = testing.random_qkv(1, 129, 257, 16, 1, 128, torch.float16)
+    do = torch.randn_like(q)
+    grads = run_backward(stage, q, k, v, do, {"causal": True}, poisoned=False)
+    testing.assert_gradients_match(grads, q, k, v, do, "MQA 16:1", causal=True)
+
+
+# ---------------------------------------------------------------- the exercises on the CPU
+
+CPU_MASKS = {
+    "none": {}, "causal": {"causal": True}, "window": {"window_size": (100, 30)},
+    "left-only": {"window_size": (70, -1)}, "window-sink-tokens": {"window_size": (64, 0), "num_sink_tokens": 130},
+}
+CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64)]
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("mask", list(CPU_MASKS))
+def test_on_cpu_m_block_range(stage, mask):
+    """KeyTileMask (exercise 11): the Q tiles a KV tile visits, and its mask, against the reference's visibility."""
+    cpu_numerics.check_key_tile_masks(stage, CPU_MASKS[mask], CPU_LENGTHS)
+
+
+@pytest.mark.compiles
+def test_on_cpu_probabilities_and_score_gradients(stage):
+    cpu_numerics.check_score_gradients(stage)
