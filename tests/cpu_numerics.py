@@ -1011,10 +1011,12 @@ class LaneScheduler:
 
         self.num_batch = len(lengths_q)
         self.counts = np.array([-(-n // tile_m) * heads for n in lengths_q] + [0], dtype=np.int64)
+        self.reads = 0  # calls of tiles_of: the warp's search steps
 
     def tiles_of(self, batch):
         import numpy as np
 
+        self.reads += 1
         batch = np.asarray(batch)
         return self.counts[np.clip(batch, 0, self.num_batch)] * (batch < self.num_batch)
 
@@ -1036,7 +1038,14 @@ def check_locate(module, lengths_q, heads: int = 3, tile_m: int = Q_TILE_ROWS) -
             for tile in range(0, starts + 3, max(step, 1)):
                 if step == 0:
                     batch, batch_start = 0, 0
+                first, scheduler.reads = batch, 0
                 batch, batch_start = (int(x) for x in locate(scheduler, tile, batch, batch_start))
+                steps = (min(batch, scheduler.num_batch - 1) - first) // WARP + 1  # 32 sequences per step
+                assert scheduler.reads <= steps, (
+                    f"{where}: locate(tile {tile}) from sequence {first} read tiles_of {scheduler.reads} times to "
+                    f"reach sequence {batch}; one warp step reads 32 sequences (one per lane), so {steps} "
+                    f"step{'s' if steps > 1 else ''} suffice. A loop that advances one sequence at a time is right "
+                    "but walks every sequence of a long batch for each tile.")
                 if tile < starts:
                     assert (batch, batch_start) == expected[tile], (
                         f"{where}: locate(tile {tile}) gives sequence {batch} starting at tile {batch_start}; tile "
