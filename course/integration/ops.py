@@ -107,9 +107,7 @@ def reference_attention_backward(do, q, k, v, out, lse, *, softmax_scale=None, c
                                  sink_logits=None, num_sink_tokens=0):
     """course.testing.reference.attention_backward (float64) after stage 11's input validation:
     (dq, dk, dv[, dsink]), the gradients in q's dtype."""
-    from course.runtime import backward
-
-    backward.check_backward_inputs(do, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+    validation.check_backward_inputs(do, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                    window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
     grads = reference.attention_backward(do, q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, sink_logits=sink_logits,

@@ -298,6 +298,50 @@ def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sin
             )
 
 
+# ---------------------------------------------------------------- backward (stage 11)
+
+BACKWARD_STAGE = (11, "the backward pass")
+BACKWARD_HEAD_DIMS = ((64, 64), (128, 128))
+
+
+def check_backward_inputs(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                          sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None) -> AttentionShape:
+    """Validate the forward's inputs and options (the prefill rules), then dO, O, the LSE and the gradient
+    buffers (stage 11's ``attention_backward``); return the sizes."""
+    import torch
+
+    shape = check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                   sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
+    if (shape.head_dim, shape.head_dim_v) not in BACKWARD_HEAD_DIMS:
+        raise NotImplementedError(
+            f"{describe_dims(shape.head_dim, shape.head_dim_v)}: stage {BACKWARD_STAGE[0]} ({BACKWARD_STAGE[1]}) "
+            f"takes {describe_head_dims(BACKWARD_HEAD_DIMS)}; the forward takes more")
+    bshd = "[batch, seqlen_q, heads_q, head_dim]"
+    o_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
+    for name, t in (("do", do), ("o", o)):
+        _check_tensor(name, t, rank=4, layout=bshd)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected {q.dtype} like q")
+        if tuple(t.shape) != o_shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {o_shape}, the forward's output")
+    lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor (the forward's, from return_lse=True); got {type(lse).__name__}")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != lse_shape:
+        raise ValueError(f"lse has shape {tuple(lse.shape)} and dtype {lse.dtype}; expected {lse_shape} = "
+                         "[B, H_q, S_q] float32, as attention(..., return_lse=True) returns it")
+    for name, buffer, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if buffer is not None:
+            _check_tensor(name, buffer, rank=4, layout="like " + {"dq": "q", "dk": "k", "dv": "v"}[name])
+            if buffer.dtype != like.dtype or buffer.shape != like.shape:
+                raise ValueError(f"{name} has shape {tuple(buffer.shape)} and dtype {buffer.dtype}; expected "
+                                 f"{tuple(like.shape)} and {like.dtype}, like the input it is the gradient of")
+            if _overlaps_itself(buffer):
+                raise ValueError(f"{name} has strides {buffer.stride()}: two of its elements share one address; "
+                                 "pass a fresh tensor (torch.empty)")
+    return shape
+
+
 # ---------------------------------------------------------------- decode (stage 7)
 
 @dataclass(frozen=True)
