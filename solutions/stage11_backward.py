@@ -8,10 +8,10 @@ than storing the S_q x S_k matrix. The forward is stage 10's, imported.
 
 FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
 
-1. Preprocess (host, once per call): D = rowsum(dO * O) per query row (the
-   softmax's Jacobian needs it: dS = P * (dP - D)), and the LSE moved to the
-   log2 domain, with +inf where a row saw no key (so that P = 0 there), both
-   padded to whole Q tiles.
+1. Preprocess (a kernel of its own, ``Preprocess``): D = rowsum(dO * O) per
+   query row (the softmax's Jacobian needs it: dS = P * (dP - D)), the LSE
+   moved to the log2 domain, +inf where a row saw no key (so P = 0 there),
+   both padded to whole Q tiles, and the float32 dQ sum zeroed.
 2. One CTA per (KV tile, KV head, batch) keeps its K and V tile in shared
    memory and its dK and dV in registers, and walks every Q tile that sees
    the KV tile (for each query head of its group: GQA's sum over the group
@@ -29,8 +29,8 @@ FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
    S and dP, M-major for dK and dV); one swizzled layout serves both.
 3. dQ: every CTA whose KV tile a Q tile sees adds its share, so the shares are
    summed in float32 in global memory: each step's dQ goes to shared memory
-   and one thread adds it with a TMA reduce-add (``cp.reduce.async.bulk``),
-   which the L2 applies. The host scales the sum and converts it.
+   and one warp adds it with a TMA reduce-add (``cp.reduce.async.bulk``),
+   which the L2 applies; ``ConvertDQ`` scales the sum and converts it.
 
 Masks (causal, windows, sink tokens) choose the Q tiles a KV tile visits and
 set S to -inf outside; sink logits change only the LSE (the forward's) and
