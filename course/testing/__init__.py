@@ -431,8 +431,9 @@ def assert_gradients_match(grads, q, k, v, do, where: str = "", **features) -> l
 
     PyTorch's error is the larger of two, per gradient: SDPA's backward (``torch_gradients``), and the
     backward formulas in float64 with the FlashAttention algorithm's own roundings (``reference.attention_backward``
-    with ``out`` and ``operands``): D = rowsum(dO * O) from SDPA's 16-bit O, and P and dS rounded to 16 bits
-    where they enter the products, as every FlashAttention backward (FA2-4, cuDNN) takes them. dS = P (dP - D)
+    with ``out`` and ``operands``): D = rowsum(dO * O) from SDPA's 16-bit O, P and dS rounded to 16 bits
+    where they enter the products, as every FlashAttention backward (FA2-4, cuDNN) takes them, and the
+    gradients returned in the kernel's dtype. dS = P (dP - D)
     cancels where P is near 1 (one key and a sink logit); SDPA's math path, which SDPA takes for sink logits
     (an additive mask), differentiates the softmax instead and does not inherit that error.
     """
@@ -452,6 +453,7 @@ def assert_gradients_match(grads, q, k, v, do, where: str = "", **features) -> l
                       "written (dK and dV of a KV tile no Q tile sees must still be stored), or P was computed "
                       "as exp(inf - inf) for a row without keys (its LSE is -inf: the preprocess makes it +inf).")
         diff = (grad.double() - ref).abs()
+        inherited = inherited.to(grad.dtype)  # the gradients a kernel returns: 16-bit (dsink float32)
         base_diff, inherited_diff = (base.double() - ref).abs(), (inherited.double() - ref).abs()
         report = ErrorReport(diff.max().item(), diff.mean().item(),
                              max(base_diff.max().item(), inherited_diff.max().item()),
