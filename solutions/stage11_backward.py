@@ -29,8 +29,9 @@ FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
    S and dP, M-major for dK and dV); one swizzled layout serves both.
 3. dQ: every CTA whose KV tile a Q tile sees adds its share, so the shares are
    summed in float32 in global memory: each step's dQ goes to shared memory
-   and one warp adds it with a TMA reduce-add (``cp.reduce.async.bulk``),
-   which the L2 applies; ``ConvertDQ`` scales the sum and converts it.
+   and one elected lane of the first MMA warp adds it with a TMA reduce-add
+   (``cp.reduce.async.bulk``), which the L2 applies; ``ConvertDQ`` scales the
+   sum and converts it.
 
 Masks (causal, windows, sink tokens) choose the Q tiles a KV tile visits and
 set S to -inf outside; sink logits change only the LSE (the forward's) and
@@ -171,9 +172,10 @@ def probabilities_and_score_gradients(acc_St: cute.Tensor, acc_dPt: cute.Tensor,
     that saw nothing) and D come from shared memory. The caller waits for S
     before and for dP between the two halves (``wait_dp``).
     """
-    # [exercise 11] P^T = exp2(S^T * scale_log2 - LSE) and dS^T = P^T * (dP^T - D), each column's
-    #   LSE and D from shared memory (indexed by the column's query row inside the tile). Every
-    #   register of acc_St and acc_dPt is rewritten. (stage 11 page: The gradient of a softmax)
+    # [exercise 11] Every register of acc_St becomes P^T = exp2(S^T * scale_log2 - LSE) and every
+    #   register of acc_dPt becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and
+    #   sD hold the Q tile's rows. The kernel has no registers to spare: a spill fails the check.
+    #   (stage 11 page: The gradient of a softmax)
     p = rows_cols_view(acc_St)
     dp = rows_cols_view(acc_dPt)
     coord = rows_cols_view(tStcSt)

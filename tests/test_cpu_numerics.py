@@ -75,6 +75,11 @@ PLANTED = {
     "q-tiles-from-the-last-key": (
         11, "m_block_range", [SetValue("first_row", "cutlass.max(self.key0 + self.tile_n - 1 - self.offset - self.right, 0)")],
         lambda m: cpu_numerics.check_key_tile_masks(m, dict(causal=True), [(300, 300)])),
+    "q-tiles-start-one-row-late": (
+        11, "m_block_range", [SetValue("first_row", "cutlass.max(self.key0 - self.offset - self.right + 1, 0)")],
+        lambda m: cpu_numerics.check_key_tile_masks(m, dict(causal=True), [(64, 129)])),
+    "q-tiles-end-one-row-short": (11, "m_block_range", [DropTerm("row_end", "1")],
+                                  lambda m: cpu_numerics.check_key_tile_masks(m, dict(window_size=(70, -1)), [(3, 200)])),
     "sink-tile-not-seen-by-every-row": (
         11, "m_block_range", [SetValue("limit", "limit", nth=1)],
         lambda m: cpu_numerics.check_key_tile_masks(m, dict(window_size=(64, 0), num_sink_tokens=4), [(300, 300)])),

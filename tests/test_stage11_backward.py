@@ -200,7 +200,9 @@ CPU_MASKS = {
     "none": {}, "causal": {"causal": True}, "window": {"window_size": (100, 30)},
     "left-only": {"window_size": (70, -1)}, "window-sink-tokens": {"window_size": (64, 0), "num_sink_tokens": 130},
 }
-CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64)]
+# Tails on both sides of both tiles, a Q tile that only the last key of a KV tile sees ((64, 129), causal), and
+# a window whose first row to see a KV tile is the last of a Q tile ((3, 200), left-only).
+CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64), (64, 129), (3, 200), (400, 400)]
 
 
 @pytest.mark.compiles
