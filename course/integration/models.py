@@ -48,7 +48,7 @@ without reading the positions, and are not detected there.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +82,28 @@ class PaddedBatch:
 
     real_keys: torch.Tensor
     first_query: int
+    _packings: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def packing(self, q_length: int) -> Packing:
+        """Where the real queries and keys of every layer of this forward are: made once (one host read of
+        their counts), then every layer packs and scatters with index copies that wait for nothing."""
+        if q_length not in self._packings:
+            real_q = self.real_keys[:, self.first_query:self.first_query + q_length]
+            offsets = [torch.nn.functional.pad(m.sum(1).cumsum(0), (1, 0)).to(torch.int32)
+                       for m in (real_q, self.real_keys)]
+            rows = [m.flatten().nonzero().squeeze(1) for m in (real_q, self.real_keys)]
+            self._packings[q_length] = Packing(*rows, *offsets)
+        return self._packings[q_length]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The rows of [B * S] that are real queries and keys, and the offsets of each sequence's rows."""
+
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
 
 
 PACKED_ROWS = "packed rows"  # the mask of several sequences in one row: the layer needs cu_seq_lens_q/k
@@ -221,9 +243,16 @@ def eager_inference(*tensors) -> bool:
 def padded(q, k, v, batch: PaddedBatch, *, window_size_left, **features):
     """A batch with padding: its real queries and keys packed, ``course::attention_varlen`` (causal, each
     sequence's last query on its last key), and the output scattered back, zeros at the padding."""
-    real_q = batch.real_keys[:, batch.first_query:batch.first_query + q.shape[1]]
-    return varlen(q[real_q], k[batch.real_keys], v[batch.real_keys], real_q.sum(1), batch.real_keys.sum(1),
-                  window_size_left, features, scatter=real_q)
+    where = batch.packing(q.shape[1])
+    def pack(t, rows):
+        return t.reshape(-1, *t.shape[2:]).index_select(0, rows)
+
+    attention_varlen = ops.attention_varlen if eager_inference(q, k, v) else torch.ops.course.attention_varlen
+    out = attention_varlen(pack(q, where.q_rows), pack(k, where.k_rows), pack(v, where.k_rows), where.cu_seqlens_q,
+                           where.cu_seqlens_k, q.shape[1], where.k_rows.numel(), causal=True,
+                           window_size_left=window_size_left, **features)
+    full = out.new_zeros((q.shape[0] * q.shape[1], *out.shape[1:]))
+    return full.index_copy_(0, where.q_rows, out).view(*q.shape[:2], *out.shape[1:])
 
 
 def packed(q, k, v, kwargs, *, window_size_left, **features):
@@ -238,16 +267,6 @@ def packed(q, k, v, kwargs, *, window_size_left, **features):
     return out[None]
 
 
-def varlen(q, k, v, queries, keys, window_size_left, features, *, scatter):
-    """``course::attention_varlen`` on packed rows whose sequences have ``queries`` and ``keys`` rows; the
-    output goes back to the rows ``scatter`` marks, zeros elsewhere."""
-    offsets = [torch.nn.functional.pad(n.cumsum(0), (1, 0)).to(torch.int32) for n in (queries, keys)]
-    attention_varlen = ops.attention_varlen if eager_inference(q, k, v) else torch.ops.course.attention_varlen
-    out = attention_varlen(q, k, v, *offsets, scatter.shape[1], k.shape[0], causal=True,
-                               window_size_left=window_size_left, **features)
-    full = out.new_zeros((*scatter.shape, *out.shape[1:]))
-    full[scatter] = out
-    return full
 # --8<-- [end:backend]
 
 
