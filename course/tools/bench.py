@@ -457,9 +457,9 @@ def sdpa_backward(backend):
     return prepare
 
 
-def backward_calls(shape: PrefillShape, module) -> dict:
-    """{name: (stage or None, fn())}: stage 11's backward, SDPA's flash and cuDNN backward and FA4's, each after
-    its own forward on the same random inputs (only the backward is timed)."""
+def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA cuDNN", "FA4")) -> dict:
+    """{name: (stage or None, fn())}: stage 11's backward and the ``baselines`` (SDPA's flash and cuDNN backward,
+    FA4's), each after its own forward on the same random inputs (only the backward is timed)."""
     import torch
     from torch.nn.attention import SDPBackend
 
@@ -471,9 +471,10 @@ def backward_calls(shape: PrefillShape, module) -> dict:
     out, lse = module.attention(q, k, v, causal=shape.causal, return_lse=True)
     calls = {f"stage {module.STAGE}": (module.STAGE, lambda: module.attention_backward(do, q, k, v, out, lse,
                                                                                        causal=shape.causal))}
-    preparers = {"SDPA flash": sdpa_backward(SDPBackend.FLASH_ATTENTION),
-                 "SDPA cuDNN": sdpa_backward(SDPBackend.CUDNN_ATTENTION), "FA4": fa4_backward()}
-    for name, prepare in preparers.items():
+    preparers = {"SDPA flash": lambda: sdpa_backward(SDPBackend.FLASH_ATTENTION),
+                 "SDPA cuDNN": lambda: sdpa_backward(SDPBackend.CUDNN_ATTENTION), "FA4": fa4_backward}
+    for name in baselines:
+        prepare = preparers[name]()
         if prepare is None:
             continue
         try:
