@@ -94,17 +94,35 @@ def sink_gradient(sink_logits, lse, d):
     return -(p_sink * d).sum(dim=(0, 2))
 
 
+_PLANS: dict = {}
+
+
 def attention_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
                        window_size=(-1, -1), sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None):
     """Validate, preprocess, launch ``kernel_class`` (compiled once per configuration), postprocess.
 
-    Returns (dq, dk, dv), and dsink (float32 [H_q]) last when ``sink_logits`` is given.
+    Returns (dq, dk, dv), and dsink (float32 [H_q]) last when ``sink_logits`` is given. As the prefill
+    entry points do, the first call of a signature (``launch.signature``) validates and plans; later ones
+    only allocate and launch.
     """
+    key = (kernel_class, *launch.signature(do, q, k, v, o, lse, sink_logits, dq, dk, dv, softmax_scale, causal,
+                                           window_size, num_sink_tokens))
+    run = launch.cached_plan(_PLANS, key, lambda: plan_backward(
+        kernel_class, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv))
+    return run(do, q, k, v, o, lse, sink_logits, dq, dk, dv)
+
+
+def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, window_size, sink_logits,
+                  num_sink_tokens, dq, dk, dv):
+    """Everything ``attention_backward`` does that depends only on the call's signature: validation, the three
+    kernels' configurations and compiles, the scalar arguments. Returns ``run(do, q, k, v, o, lse, sink_logits,
+    dq, dk, dv)``, which allocates the workspace and the missing outputs and launches."""
     import torch
 
     shape = validation.check_backward_inputs(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
-                                  dq=dq, dk=dk, dv=dv)
+                                             window_size=window_size, sink_logits=sink_logits,
+                                             num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv)
     validation.check_on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse, sink_logits=sink_logits, dq=dq, dk=dk, dv=dv)
     left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, shape)
     config = prefill.KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
@@ -116,16 +134,20 @@ def attention_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale=None,
     post = launch.compiled((kernel_class.postprocess, *key),
                            lambda: postprocess_kernel_and_args(kernel_class, *key))
     scale = validation.resolve_scale(softmax_scale, shape.head_dim)
-    padded_rows = -(-shape.seqlen_q // TILE_M) * TILE_M
-    rows = (shape.batch, shape.heads_q, padded_rows)
-    lse_log2, d = (torch.empty(rows, device=q.device, dtype=torch.float32) for _ in range(2))
-    dq_accum = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
-    pre(do, o, lse, lse_log2, d, dq_accum)
-    kernel(q, k, v, do, lse_log2, d, dq_accum, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens)
-    post(dq_accum, dq, scale)
-    if sink_logits is None:
-        return dq, dk, dv
-    return dq, dk, dv, sink_gradient(sink_logits, lse, d[..., :shape.seqlen_q])
+    rows = (shape.batch, shape.heads_q, -(-shape.seqlen_q // TILE_M) * TILE_M)  # padded to whole Q tiles
+    device = q.device
+
+    def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):
+        lse_log2, d = (torch.empty(rows, device=device, dtype=torch.float32) for _ in range(2))
+        dq_accum = torch.empty(q.shape, device=device, dtype=torch.float32)
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        pre(do, o, lse, lse_log2, d, dq_accum)
+        kernel(q, k, v, do, lse_log2, d, dq_accum, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens)
+        post(dq_accum, dq, scale)
+        if sink_logits is None:
+            return dq, dk, dv
+        return dq, dk, dv, sink_gradient(sink_logits, lse, d[..., :shape.seqlen_q])
+
+    return run
