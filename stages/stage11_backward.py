@@ -82,6 +82,26 @@ class Barrier(IntEnum):
     EPILOGUE = 4
 
 
+@cute.jit
+def wait_for_turn(turns: cute.Pointer, turn: cutlass.Int32):
+    """Deterministic dQ: wait until ``turns`` counts ``turn`` finished adds into this Q tile. One lane
+    polls (an acquire at gpu scope); the warp, which issues the next reduce-add, waits for that lane."""
+    if cute.arch.lane_idx() == 0:
+        while cute.arch.atomic_add(turns, cutlass.Int32(0), sem="acquire", scope="gpu") != turn:
+            pass
+    cute.arch.sync_warp()
+    cute.arch.fence_proxy("async.global")  # the generic-proxy acquire before the async-proxy reduce-add
+
+
+@cute.jit
+def pass_turn(turns: cute.Pointer):
+    """Deterministic dQ: count a reduce-add that has landed in global memory (the caller waited for its
+    writes) on ``turns``, with a release: the next tile's add must come after this one's."""
+    cute.arch.fence_proxy("async.global")
+    if cute.arch.lane_idx() == 0:
+        cute.arch.red(turns, cutlass.Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+
+
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """The same shared memory with its first two modes swapped: (rows, cols, ...) -> (cols, rows, ...).
 
@@ -126,6 +146,28 @@ class KeyTileMask(WindowMask):
         if cutlass.const_expr(self.has_left):
             partial = partial | (self.key0 < row0 + self.tile_m - 1 + self.offset - self.left)
         return partial
+
+    @cute.jit
+    def dq_turn(self, m_block: cutlass.Int32):
+        """How many KV tiles add into Q tile ``m_block``'s dQ before this one, in the deterministic order:
+        descending tiles, the order in which causal CTAs reach a Q tile (the kernel launches them so).
+
+        The tiles that see a Q tile: the sink tokens' [0, sink_tiles) and the window's [first, end), where
+        ``first`` holds the first row's first window key and ``end`` bounds the tiles whose m_block_range
+        starts at or before ``m_block`` (the right bound). The turn counts those above this one.
+        """
+        end = (self.seqlen_k + self.tile_n - 1) // self.tile_n
+        if cutlass.const_expr(self.has_right):
+            rows_end = cutlass.min((m_block + 1) * self.tile_m, self.seqlen_q)  # a tile's first row must be before
+            end = cutlass.min(end, (cutlass.max(rows_end + self.offset + self.right, 0) + self.tile_n - 1)
+                              // self.tile_n)
+        turn = end - 1 - self.n_block
+        if cutlass.const_expr(self.has_sink_tokens):
+            first = cutlass.max(m_block * self.tile_m + self.offset - self.left, 0) // self.tile_n
+            sink_tiles = (self.num_sink_tokens + self.tile_n - 1) // self.tile_n
+            if self.n_block < sink_tiles:  # the sink tiles above this one, then the window's
+                turn = cutlass.min(sink_tiles, end) - 1 - self.n_block + cutlass.max(end - cutlass.max(first, sink_tiles), 0)
+        return turn
 
     @cute.jit
     def apply_transposed(self, acc_St: cute.Tensor, tStcSt: cute.Tensor, m_block: cutlass.Int32):
@@ -247,8 +289,9 @@ class AttentionBackward:
 
     preprocess, postprocess = Preprocess, ConvertDQ
 
-    def __init__(self, config):
+    def __init__(self, config, deterministic: bool = False):
         self.config = config
+        self.deterministic = deterministic  # dQ's shares added in a fixed order (KeyTileMask.kv_tiles_before)
         self.dtype = config.cute_dtype
         self.head_dim = config.head_dim
         self.mma_threads = 128 * MMA_WGS
@@ -256,7 +299,7 @@ class AttentionBackward:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mD: cute.Tensor, mdQaccum: cute.Tensor, mdQturns: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32,
                  window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, stream):
         mQ, mK, mV, mdO = (bshd_as_rows_dim(t) for t in (mQ, mK, mV, mdO))
@@ -284,7 +327,7 @@ class AttentionBackward:
         n_blocks = (mK.shape[0] + TILE_N - 1) // TILE_N
         self.kernel(
             sdp_mma, dkv_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
-            tma_lse, tma_mLSE, tma_d, tma_mD, tma_dq, tma_mdQ, tma_dk, tma_mdK, tma_dv, tma_mdV,
+            tma_lse, tma_mLSE, tma_d, tma_mD, tma_dq, tma_mdQ, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
             scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, *layouts,
         ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream)
 
@@ -348,7 +391,7 @@ class AttentionBackward:
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_d: cute.CopyAtom, mD: cute.Tensor,
-               tma_dq: cute.CopyAtom, mdQ: cute.Tensor, tma_dk: cute.CopyAtom, mdK: cute.Tensor,
+               tma_dq: cute.CopyAtom, mdQ: cute.Tensor, mdQturns: cute.Tensor, tma_dk: cute.CopyAtom, mdK: cute.Tensor,
                tma_dv: cute.CopyAtom, mdV: cute.Tensor, scale_log2: cutlass.Float32,
                softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                num_sink_tokens: cutlass.Int32, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -370,18 +413,27 @@ class AttentionBackward:
         # change may be spilled).
         if warpgroup_idx > 0:
             cute.arch.setmaxregister_increase(REGISTERS[MMA_WGS][1])
-            n_block, head_kv, batch = cute.arch.block_idx()
+            n_block, head_kv, batch = self.tile_coordinates()
             group = mQ.shape[2] // mK.shape[2]
-            self.mma(sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
+            self.mma(sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, mdQturns, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
                      batch, group, mQ.shape[0], mK.shape[0], scale_log2, softmax_scale, window_left, window_right,
                      num_sink_tokens)
         else:
             cute.arch.setmaxregister_decrease(REGISTERS[MMA_WGS][0])
             if warp_idx == 0:
-                n_block, head_kv, batch = cute.arch.block_idx()
+                n_block, head_kv, batch = self.tile_coordinates()
                 group = mQ.shape[2] // mK.shape[2]
                 self.load(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
                           n_block, head_kv, batch, group, window_left, window_right, num_sink_tokens)
+
+    @cute.jit
+    def tile_coordinates(self):
+        """(KV tile, KV head, batch) of this CTA. In deterministic mode the KV tiles launch from the last down:
+        a CTA then waits for its turn (``KeyTileMask.dq_turn``) only on CTAs that were launched before it."""
+        n_block, head_kv, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.deterministic):
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
+        return n_block, head_kv, batch
 
     def shared_tensors(self, storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
         """sQ, sdO, sK, sV, sdS, sdQ with their swizzled layouts, then sLSE and sD as (TILE_M, Q_STAGES)."""
@@ -467,7 +519,7 @@ class AttentionBackward:
 
     # --8<-- [start:consumer]
     @cute.jit
-    def mma(self, sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, tma_dk, mdK, tma_dv, mdV, smem, pipes,
+    def mma(self, sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, mdQturns, tma_dk, mdK, tma_dv, mdV, smem, pipes,
             n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
             seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32, scale_log2: cutlass.Float32,
             softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
@@ -514,6 +566,8 @@ class AttentionBackward:
         pipeline_kv.consumer_wait(kv_state)
         tile_is_partial = mask.tile_is_partial
         apply_mask = mask.apply_transposed
+        dq_turn = mask.dq_turn
+        last_turn = cutlass.Int32(0)  # deterministic: where the last reduce-add's turn is counted
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
             m_block = m_block_min + step % n_m
@@ -545,7 +599,14 @@ class AttentionBackward:
             # The first MMA warp issues the reduce-adds (they elect one lane: the whole warp must be here).
             first_warp = mma_tidx < 32
             if first_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last reduce-add has read sdQ
+                if cutlass.const_expr(self.deterministic):
+                    # The last reduce-add has landed, not only read sdQ: its turn passes a step after its issue,
+                    # so the wait for the writes overlaps this step's products.
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    if step > 0:
+                        pass_turn(mdQturns.iterator + last_turn)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last reduce-add has read sdQ
             cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=self.mma_threads)
             cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -554,8 +615,16 @@ class AttentionBackward:
                 gdQ = cute.local_tile(mdQ[None, None, head, batch], (TILE_M, d), (m_block, 0))
                 tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
                                                      cute.group_modes(gdQ, 0, 2))
+                if cutlass.const_expr(self.deterministic):
+                    last_turn = cutlass.Int32(cute.crd2idx((batch, head, m_block), mdQturns.layout))
+                    wait_for_turn(mdQturns.iterator + last_turn, dq_turn(m_block))
                 cute.copy(tma_dq, tQsdQ, tQgdQ)
                 cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.deterministic):
+            if mma_tidx < 32:
+                if n_m > 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    pass_turn(mdQturns.iterator + last_turn)
         self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, dkv_mma, mma_tidx, n_block, head_kv,
                          batch, softmax_scale)
         pipeline_kv.consumer_release(kv_state)
@@ -592,20 +661,23 @@ class AttentionBackward:
 KERNEL_CONFIGS = backward.kernel_configs()
 
 
-def cross_compile_config(config, keep: bool = False):
+def cross_compile_config(config, keep: bool = False, deterministic: bool = False):
     """Compile for sm_90a on any machine (no GPU needed) and report registers, smem, spills."""
-    return backward.cross_compile_config(AttentionBackward, config, stage=STAGE, keep=keep)
+    return backward.cross_compile_config(AttentionBackward, config, stage=STAGE, deterministic=deterministic,
+                                         keep=keep)
 
 
 def attention_backward(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                       sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None):
+                       sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None, deterministic=False):
     """dQ, dK, dV (and dsink with ``sink_logits``) of ``attention`` on [B, S, H, D]; see docs/contract.md.
 
-    ``o`` and ``lse`` are the forward's (``attention(..., return_lse=True)``).
+    ``o`` and ``lse`` are the forward's (``attention(..., return_lse=True)``). ``deterministic=True`` adds
+    the KV tiles' dQ shares in a fixed order, so equal inputs give bit-identical gradients.
     """
     return backward.attention_backward(AttentionBackward, do, q, k, v, o, lse, softmax_scale=softmax_scale,
                                        causal=causal, window_size=window_size, sink_logits=sink_logits,
-                                       num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv)
+                                       num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv,
+                                       deterministic=deterministic)
 
 
 if __name__ == "__main__":

@@ -1071,7 +1071,8 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
     """KeyTileMask of KV tile ``n_block`` on every register of every MMA thread, for each Q tile.
 
     ``scores`` [TILE_N, m_blocks * TILE_M], zeros, gets -inf where ``apply_transposed`` masks;
-    ``tiles`` gets [m_block_min, m_block_max] (``m_block_range``), then ``tile_is_partial`` of each Q tile.
+    ``tiles`` gets [m_block_min, m_block_max] (``m_block_range``), then ``tile_is_partial`` of each Q tile,
+    then ``dq_turn`` of each Q tile (the deterministic dQ order).
     """
     sdp_mma = sdp_tiled_mma(module)
     mask = module.KeyTileMask(n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
@@ -1081,6 +1082,9 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
     tile_is_partial = mask.tile_is_partial
     for m in cutlass.range_constexpr(m_blocks):
         tiles[2 + m] = Int32(tile_is_partial(m))
+    dq_turn = mask.dq_turn
+    for m in cutlass.range_constexpr(m_blocks):
+        tiles[2 + m_blocks + m] = dq_turn(m)
     apply = mask.apply_transposed
     for m_block in range(m_blocks):
         for thread in range(MMA_THREADS):
@@ -1104,7 +1108,7 @@ def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]])
     tile_m, tile_n = module.TILE_M, module.TILE_N
     m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
     scores = torch.zeros(tile_n, m_blocks * tile_m)
-    tiles = torch.zeros(2 + m_blocks, dtype=torch.int32)
+    tiles = torch.zeros(2 + 2 * m_blocks, dtype=torch.int32)
     for s_q, s_k in lengths:
         visible = reference.visible_keys(s_q, s_k, **features)
         for n_block in range(_tiles(s_k, tile_n)):
@@ -1127,6 +1131,12 @@ def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]])
                     hidden = (~rows).nonzero()[0].tolist()
                     raise AssertionError(f"tile_is_partial, {where}: Q tile {m} skips the mask, but row "
                                          f"{m * tile_m + hidden[0]} may not see key {n_block * tile_n + hidden[1]}")
+                earlier = [n for n in range(n_block + 1, _tiles(s_k, tile_n))
+                           if visible[m * tile_m:(m + 1) * tile_m, n * tile_n:(n + 1) * tile_n].any()]
+                if tiles[2 + m_blocks + m].item() != len(earlier):
+                    raise AssertionError(f"dq_turn, {where}: Q tile {m} gets dQ shares first from KV tiles {earlier} "
+                                         f"(those above this one: {len(earlier)}); dq_turn says "
+                                         f"{tiles[2 + m_blocks + m].item()}, so the deterministic order would hang")
                 kept = scores[:keys.shape[1], m * tile_m:m * tile_m + rows.shape[0]].t() == 0
                 if tiles[2 + m].item() and not torch.equal(kept, rows):
                     wrong = (kept != rows).nonzero()[0].tolist()

@@ -107,6 +107,30 @@ def test_opcheck_backward(backed_by):
     torch.library.opcheck(torch.ops.course.attention_backward, (torch.randn_like(out), q, k, v, out, lse), options)
 
 
+def test_deterministic_algorithms_reach_the_backward(backed_by, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the op's backward asks stage 11 for its deterministic
+    mode (dQ added in a fixed order); otherwise for the default one."""
+    backed_by(impl="reference")
+    asked = []
+    backing = ops.backward_function
+
+    def recording():
+        function = backing()
+        return lambda *args, **kwargs: asked.append(kwargs["deterministic"]) or function(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "backward_function", recording)
+    (q, k, v), options = prefill_inputs()
+    q.requires_grad_(True)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        for mode in (False, True):
+            torch.use_deterministic_algorithms(mode)
+            torch.ops.course.attention(q, k, v, **options)[0].sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert asked == [False, True]
+
+
 def test_the_decode_and_varlen_ops_are_forward_only(backed_by):
     backed_by(impl="reference")
     (q, k_cache, v_cache, seqlens), options = decode_inputs()
@@ -183,7 +207,7 @@ def test_prefill_op_backward_on_the_kernels(backed_by, impl):
     do = torch.randn_like(q)
     out, _ = torch.ops.course.attention(*leaves, **options)
     grads = torch.autograd.grad(out, leaves, do)
-    testing.assert_gradients_match(grads, q, k, v, do, "course::attention backward", sink_logits=sinks,
+    testing.assert_gradients_match(grads, q, k, v, do, "course::attention backward", out=out.detach(), sink_logits=sinks,
                                    softmax_scale=0.1, causal=True, window_size=(5, -1))
 
 

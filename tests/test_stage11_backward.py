@@ -56,6 +56,7 @@ BAD_BACKWARD = {
     "dk-shape": (lambda: {**cpu_inputs(), "dk": torch.zeros(1, 16, 4, 64, dtype=torch.float16)}, ValueError,
                  "dk has shape"),
     "head-dim-96": (lambda: cpu_inputs(d=96), NotImplementedError, "head_dim 96.*stage 11"),
+    "deterministic-not-bool": (lambda: {**cpu_inputs(), "deterministic": 1}, TypeError, "deterministic must be"),
     "q-fp32": (lambda: {k: (v.float() if k in "qkv" else v) for k, v in cpu_inputs().items()}, TypeError, "float16"),
 }
 
@@ -79,6 +80,15 @@ def test_row_passes_cross_compile(stage, head_dim):
         kernel, args = make(stage.AttentionBackward, dtype, head_dim)
         report = cross_compile(kernel, *args, name=f"stage11_{make.__name__}_d{head_dim}")
         assert report.spill_bytes in (0, None), f"{report.name} spills {report.spill_bytes} bytes"
+
+
+@pytest.mark.compiles
+@pytest.mark.parametrize("name", ["float16_d64_full", "bfloat16_d64_LRT", "float16_d128_R", "bfloat16_d128_LRT"])
+def test_deterministic_mode_cross_compiles(stage, name):
+    """The deterministic mode's turn-taking around each dQ reduce-add compiles for sm_90a without spilling."""
+    config = next(c for c in stage.KERNEL_CONFIGS if c.name == name)
+    report = stage.cross_compile_config(config, deterministic=True)
+    assert report.spill_bytes in (0, None), f"{report.name} spills {report.spill_bytes} bytes"
 
 
 @pytest.mark.gpu
@@ -135,9 +145,10 @@ def test_reference_backward_formulas_match_autograd(features):
 # ---------------------------------------------------------------- gradients (Hopper GPU)
 
 def run_backward(stage, q, k, v, do, features, poisoned=True):
+    """(the gradients, the forward's O they were computed from)."""
     out, lse = stage.attention(q, k, v, return_lse=True, **features)
     buffers = {name: testing.poisoned_like(t) for name, t in (("dq", q), ("dk", k), ("dv", v))} if poisoned else {}
-    return stage.attention_backward(do, q, k, v, out, lse, **features, **buffers)
+    return stage.attention_backward(do, q, k, v, out, lse, **features, **buffers), out
 
 
 @pytest.mark.gpu
@@ -150,9 +161,9 @@ def test_gradients_match_reference(stage, dtype, head_dim, h_q, h_kv, lengths, m
     q, k, v = testing.random_qkv(2, s_q, s_k, h_q, h_kv, head_dim, dtype, seed=s_q * 7 + s_k)
     do = torch.randn_like(q)
     features = features_of(mask, h_q)
-    grads = run_backward(stage, q, k, v, do, features)
+    grads, out = run_backward(stage, q, k, v, do, features)
     testing.assert_gradients_match(grads, q, k, v, do, f"stage 11 {dtype} d{head_dim} h{h_q}/{h_kv} {lengths} {mask}",
-                                   **features)
+                                   out=out, **features)
 
 
 @pytest.mark.gpu
@@ -161,9 +172,9 @@ def test_rows_without_keys_have_zero_gradients(stage):
     add nothing to dk and dv (a P of exp(-inf - -inf) = NaN would poison both)."""
     q, k, v = testing.random_qkv(1, 300, 100, 4, 4, 128, torch.bfloat16)
     do = torch.randn_like(q)
-    dq, dk, dv = run_backward(stage, q, k, v, do, {"causal": True})
+    (dq, dk, dv), out = run_backward(stage, q, k, v, do, {"causal": True})
     assert (dq[:, :200] == 0).all(), "dq of rows that see no key must be exactly 0"
-    testing.assert_gradients_match((dq, dk, dv), q, k, v, do, "rows without keys", causal=True)
+    testing.assert_gradients_match((dq, dk, dv), q, k, v, do, "rows without keys", out=out, causal=True)
 
 
 @pytest.mark.gpu
@@ -171,7 +182,7 @@ def test_keys_no_row_sees_get_zero_gradients(stage):
     """A window that leaves the last KV tiles unseen: their dk and dv are written, as zeros (the buffers were NaN)."""
     q, k, v = testing.random_qkv(1, 64, 1000, 2, 2, 64, torch.float16)
     do = torch.randn_like(q)
-    dq, dk, dv = run_backward(stage, q, k, v, do, {"window_size": (10, -1)})
+    (dq, dk, dv), _ = run_backward(stage, q, k, v, do, {"window_size": (10, -1)})
     seen_from = 1000 - 64 - 10
     assert (dk[:, :seen_from - 128] == 0).all() and (dv[:, :seen_from - 128] == 0).all()
 
@@ -181,8 +192,8 @@ def test_softmax_scale_and_large_logits(stage):
     q, k, v = testing.random_qkv(2, 200, 300, 4, 2, 64, torch.bfloat16)
     do = torch.randn_like(q)
     for scale in (0.3, 2.0):
-        grads = run_backward(stage, q, k, v, do, {"softmax_scale": scale})
-        testing.assert_gradients_match(grads, q, k, v, do, f"softmax_scale {scale}", softmax_scale=scale)
+        grads, out = run_backward(stage, q, k, v, do, {"softmax_scale": scale})
+        testing.assert_gradients_match(grads, q, k, v, do, f"softmax_scale {scale}", out=out, softmax_scale=scale)
 
 
 @pytest.mark.gpu
@@ -190,8 +201,26 @@ def test_gradients_of_the_sum_over_the_group(stage):
     """MQA with 16 query heads: dk and dv sum 16 heads' contributions, in the CTA's registers."""
     q, k, v = testing.random_qkv(1, 129, 257, 16, 1, 128, torch.float16)
     do = torch.randn_like(q)
-    grads = run_backward(stage, q, k, v, do, {"causal": True}, poisoned=False)
-    testing.assert_gradients_match(grads, q, k, v, do, "MQA 16:1", causal=True)
+    grads, out = run_backward(stage, q, k, v, do, {"causal": True}, poisoned=False)
+    testing.assert_gradients_match(grads, q, k, v, do, "MQA 16:1", out=out, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["none", "causal", "window-sink-tokens"])
+def test_deterministic_gradients_are_bit_identical(stage, mask):
+    """deterministic=True: 100 backward passes on the same inputs give the same bits (Q tiles that 8 KV tiles
+    add into, GQA 4:1 so each CTA adds four heads' shares), and the gradients are right."""
+    q, k, v = testing.random_qkv(2, 700, 1000, 8, 2, 128, torch.bfloat16)
+    do = torch.randn_like(q)
+    features = features_of(mask, 8)
+    out, lse = stage.attention(q, k, v, return_lse=True, **features)
+    first = stage.attention_backward(do, q, k, v, out, lse, deterministic=True, **features)
+    testing.assert_gradients_match(first, q, k, v, do, f"deterministic, {mask}", out=out, **features)
+    buffers = {name: testing.poisoned_like(t) for name, t in (("dq", q), ("dk", k), ("dv", v))}
+    for run in range(100):
+        again = stage.attention_backward(do, q, k, v, out, lse, deterministic=True, **features, **buffers)
+        for name, a, b in zip(testing.GRADIENT_NAMES, first, again):
+            assert torch.equal(a, b), f"run {run}: {name} differs from the first run's in deterministic mode"
 
 
 # ---------------------------------------------------------------- the exercises on the CPU
@@ -201,8 +230,9 @@ CPU_MASKS = {
     "left-only": {"window_size": (70, -1)}, "window-sink-tokens": {"window_size": (64, 0), "num_sink_tokens": 130},
 }
 # Tails on both sides of both tiles, a Q tile that only the last key of a KV tile sees ((64, 129), causal), and
-# a window whose first row to see a KV tile is the last of a Q tile ((3, 200), left-only).
-CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64), (64, 129), (3, 200), (400, 400)]
+# a window whose first row to see a KV tile is the last of a Q tile ((3, 200), left-only), and windows that
+# start past the sink tokens' tiles ((200, 700): the deterministic order skips the tiles between).
+CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64), (64, 129), (3, 200), (400, 400), (200, 700)]
 
 
 @pytest.mark.compiles

@@ -104,11 +104,12 @@ def reference_attention_with_lse(q, k, v, *, softmax_scale=None, causal=False, w
 
 
 def reference_attention_backward(do, q, k, v, out, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                 sink_logits=None, num_sink_tokens=0):
+                                 sink_logits=None, num_sink_tokens=0, deterministic=False):
     """course.testing.reference.attention_backward (float64) after stage 11's input validation:
-    (dq, dk, dv[, dsink]), the gradients in q's dtype."""
+    (dq, dk, dv[, dsink]), the gradients in q's dtype (deterministic either way)."""
     validation.check_backward_inputs(do, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
+                                     window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                                     deterministic=deterministic)
     grads = reference.attention_backward(do, q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, sink_logits=sink_logits,
                                          num_sink_tokens=num_sink_tokens)
@@ -256,21 +257,22 @@ def _attention_fake(q, k, v, sink_logits=None, softmax_scale=None, causal=False,
 # --8<-- [start:backward_op]
 _LIBRARY.define("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                 "Tensor? sink_logits=None, float? softmax_scale=None, bool causal=False, int window_size_left=-1, "
-                "int window_size_right=-1, int num_sink_tokens=0) -> (Tensor, Tensor, Tensor, Tensor)")
+                "int window_size_right=-1, int num_sink_tokens=0, bool deterministic=False) "
+                "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def attention_backward(grad_out, q, k, v, out, lse, sink_logits=None, softmax_scale=None, causal=False,
-                       window_size_left=-1, window_size_right=-1, num_sink_tokens=0):
+                       window_size_left=-1, window_size_right=-1, num_sink_tokens=0, deterministic=False):
     """(dq, dk, dv, dsink) of ``course::attention`` (stage 11); dsink is empty without sink logits."""
     grads = backward_function()(grad_out.contiguous(), q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                 window_size=(window_size_left, window_size_right), sink_logits=sink_logits,
-                                num_sink_tokens=num_sink_tokens)
+                                num_sink_tokens=num_sink_tokens, deterministic=deterministic)
     return (*grads[:3], grads[3] if sink_logits is not None else q.new_empty((0,), dtype=torch.float32))
 
 
 @torch.library.register_fake("course::attention_backward")
 def _attention_backward_fake(grad_out, q, k, v, out, lse, sink_logits=None, softmax_scale=None, causal=False,
-                             window_size_left=-1, window_size_right=-1, num_sink_tokens=0):
+                             window_size_left=-1, window_size_right=-1, num_sink_tokens=0, deterministic=False):
     dsink = q.new_empty((0 if sink_logits is None else sink_logits.shape[0],), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsink
 
@@ -287,13 +289,16 @@ def _save_for_backward(ctx, inputs, output):
 
 
 def _attention_grads(ctx, grad_out, grad_lse):
-    """The LSE is not differentiable (its gradient is ignored); sink logits get theirs when they require one."""
+    """The LSE is not differentiable (its gradient is ignored); sink logits get theirs when they require one.
+    Under ``torch.use_deterministic_algorithms(True)`` the backward adds dQ in a fixed order (bit-identical runs)."""
     if not _has_lse():
         raise NotImplementedError(f"course::attention's backward needs the forward's LSE: the ops are backed by "
                                   f"prefill stage {_backing.prefill}, and stage {LSE_STAGE} adds the LSE "
                                   f"(ops.use_stages(prefill={PREFILL_STAGE}) for the final kernel)")
     q, k, v, out, lse, sink_logits = ctx.saved_tensors
-    dq, dk, dv, dsink = torch.ops.course.attention_backward(grad_out, q, k, v, out, lse, sink_logits, **ctx.options)
+    dq, dk, dv, dsink = torch.ops.course.attention_backward(
+        grad_out, q, k, v, out, lse, sink_logits, **ctx.options,
+        deterministic=torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv, (dsink if sink_logits is not None else None), None, None, None, None, None
 
 

@@ -48,16 +48,18 @@ def fake_arguments(config: prefill.KernelConfig) -> tuple:
     d = symbolic_tensor(torch.float32, ("b", "h", "s_pad"), symbols=rows, stride_divisibility=4)
     dq_accum = symbolic_tensor(torch.float32, ("B", "S_q", "H_q", config.head_dim), symbols=symbols,
                                stride_divisibility=4)
+    dq_turns = symbolic_tensor(torch.int32, ("tb", "th", "tm"), symbols={}, align=4,
+                               stride_divisibility=1)
     dk = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
     dv = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
-    return (q, k, v, do, lse, d, dq_accum, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0),
+    return (q, k, v, do, lse, d, dq_accum, dq_turns, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0),
             cutlass.Int32(0), cutlass.Int32(0))
 
 
-def cross_compile_config(kernel_class, config: prefill.KernelConfig, *, stage: int,
+def cross_compile_config(kernel_class, config: prefill.KernelConfig, *, stage: int, deterministic: bool = False,
                          keep: bool = False) -> CompileReport:
-    return cross_compile(kernel_class(config), *fake_arguments(config), name=f"stage{stage:02d}_bwd_{config.name}",
-                         keep=keep)
+    name = f"stage{stage:02d}_bwd_{config.name}" + ("_deterministic" if deterministic else "")
+    return cross_compile(kernel_class(config, deterministic), *fake_arguments(config), name=name, keep=keep)
 
 
 def preprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int):
@@ -98,7 +100,8 @@ _PLANS: dict = {}
 
 
 def attention_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale=None, causal=False,
-                       window_size=(-1, -1), sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None):
+                       window_size=(-1, -1), sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None,
+                       deterministic=False):
     """Validate, preprocess, launch ``kernel_class`` (compiled once per configuration), postprocess.
 
     Returns (dq, dk, dv), and dsink (float32 [H_q]) last when ``sink_logits`` is given. As the prefill
@@ -106,15 +109,15 @@ def attention_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale=None,
     only allocate and launch.
     """
     key = (kernel_class, *launch.signature(do, q, k, v, o, lse, sink_logits, dq, dk, dv, softmax_scale, causal,
-                                           window_size, num_sink_tokens))
+                                           window_size, num_sink_tokens, deterministic))
     run = launch.cached_plan(_PLANS, key, lambda: plan_backward(
         kernel_class, do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv))
+        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv, deterministic=deterministic))
     return run(do, q, k, v, o, lse, sink_logits, dq, dk, dv)
 
 
 def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, window_size, sink_logits,
-                  num_sink_tokens, dq, dk, dv):
+                  num_sink_tokens, dq, dk, dv, deterministic):
     """Everything ``attention_backward`` does that depends only on the call's signature: validation, the three
     kernels' configurations and compiles, the scalar arguments. Returns ``run(do, q, k, v, o, lse, sink_logits,
     dq, dk, dv)``, which allocates the workspace and the missing outputs and launches."""
@@ -122,20 +125,24 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
 
     shape = validation.check_backward_inputs(do, q, k, v, o, lse, softmax_scale=softmax_scale, causal=causal,
                                              window_size=window_size, sink_logits=sink_logits,
-                                             num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv)
+                                             num_sink_tokens=num_sink_tokens, dq=dq, dk=dk, dv=dv,
+                                             deterministic=deterministic)
     validation.check_on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse, sink_logits=sink_logits, dq=dq, dk=dk, dv=dv)
     left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, shape)
     config = prefill.KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                                   left >= 0 and num_sink_tokens > 0)
-    kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
+    kernel = launch.compiled((kernel_class, config, deterministic),
+                             lambda: (kernel_class(config, deterministic), fake_arguments(config)))
     key = (q.dtype, shape.head_dim)
     pre = launch.compiled((kernel_class.preprocess, *key),
                           lambda: preprocess_kernel_and_args(kernel_class, *key))
     post = launch.compiled((kernel_class.postprocess, *key),
                            lambda: postprocess_kernel_and_args(kernel_class, *key))
     scale = validation.resolve_scale(softmax_scale, shape.head_dim)
-    rows = (shape.batch, shape.heads_q, -(-shape.seqlen_q // TILE_M) * TILE_M)  # padded to whole Q tiles
+    m_blocks = -(-shape.seqlen_q // TILE_M)
+    rows = (shape.batch, shape.heads_q, m_blocks * TILE_M)  # padded to whole Q tiles
     device = q.device
+    no_turns = torch.zeros((1, 1, 1), device=device, dtype=torch.int32)  # read only in deterministic mode
 
     def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):
         lse_log2, d = (torch.empty(rows, device=device, dtype=torch.float32) for _ in range(2))
@@ -143,8 +150,11 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
         dq = torch.empty_like(q) if dq is None else dq
         dk = torch.empty_like(k) if dk is None else dk
         dv = torch.empty_like(v) if dv is None else dv
+        # Deterministic mode: per Q tile, how many KV tiles have added their dQ share (they take turns).
+        turns = (torch.zeros((shape.batch, shape.heads_q, m_blocks), device=device, dtype=torch.int32)
+                 if deterministic else no_turns)
         pre(do, o, lse, lse_log2, d, dq_accum)
-        kernel(q, k, v, do, lse_log2, d, dq_accum, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens)
+        kernel(q, k, v, do, lse_log2, d, dq_accum, turns, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens)
         post(dq_accum, dq, scale)
         if sink_logits is None:
             return dq, dk, dv

@@ -305,7 +305,8 @@ BACKWARD_HEAD_DIMS = ((64, 64), (128, 128))
 
 
 def check_backward_inputs(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                          sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None) -> AttentionShape:
+                          sink_logits=None, num_sink_tokens=0, dq=None, dk=None, dv=None,
+                          deterministic=False) -> AttentionShape:
     """Validate the forward's inputs and options (the prefill rules), then dO, O, the LSE and the gradient
     buffers (stage 11's ``attention_backward``); return the sizes."""
     import torch
@@ -339,6 +340,8 @@ def check_backward_inputs(do, q, k, v, o, lse, *, softmax_scale=None, causal=Fal
             if _overlaps_itself(buffer):
                 raise ValueError(f"{name} has strides {buffer.stride()}: two of its elements share one address; "
                                  "pass a fresh tensor (torch.empty)")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False; got {deterministic!r}")
     return shape
 
 

@@ -426,26 +426,29 @@ def torch_gradients(q, k, v, do, *, sink_logits=None, **features) -> tuple:
     return tuple(torch.nan_to_num(g, nan=0.0) for g in torch.autograd.grad(out, leaves, do))
 
 
-def assert_gradients_match(grads, q, k, v, do, where: str = "", **features) -> list[ErrorReport]:
+def assert_gradients_match(grads, q, k, v, do, where: str = "", *, out=None, **features) -> list[ErrorReport]:
     """Each gradient: no NaN, and within TOLERANCE_FACTOR of PyTorch's error against the float64 reference.
 
-    PyTorch's error is the larger of two, per gradient: SDPA's backward (``torch_gradients``), and the
+    PyTorch's error is the largest of these, per gradient: SDPA's backward (``torch_gradients``), and the
     backward formulas in float64 with the FlashAttention algorithm's own roundings (``reference.attention_backward``
-    with ``out`` and ``operands``): D = rowsum(dO * O) from SDPA's 16-bit O, P and dS rounded to 16 bits
+    with ``out`` and ``operands``): D = rowsum(dO * O) from a 16-bit O, P and dS rounded to 16 bits
     where they enter the products, as every FlashAttention backward (FA2-4, cuDNN) takes them, and the
-    gradients returned in the kernel's dtype. dS = P (dP - D)
+    gradients returned in the kernel's dtype. The 16-bit O is SDPA's and, when given, ``out``: the O the
+    backward under test was handed (its forward's). D inherits that O's rounding, and which way each element
+    rounded is luck: dsink, a sum of a few rows' D per head, moves by 2x between two equally accurate O's.
+    The forward's own checks hold O to the yardstick. dS = P (dP - D)
     cancels where P is near 1 (one key and a sink logit); SDPA's math path, which SDPA takes for sink logits
     (an additive mask), differentiates the softmax instead and does not inherit that error.
     """
     refs = reference_gradients(q, k, v, do, **features)
     sdpa = torch_gradients(q, k, v, do, **features)
-    from_16_bit_o = reference.attention_backward(do, q, k, v, out=torch_attention(q, k, v, **features),
-                                                 operands=q.dtype, **features)
+    inherited_errors = [reference.attention_backward(do, q, k, v, out=o, operands=q.dtype, **features)
+                        for o in (torch_attention(q, k, v, **features), out) if o is not None]
     if len(grads) != len(refs):
         raise AssertionError(f"{where}: {len(grads)} gradients returned; expected {len(refs)} "
                              f"({', '.join(GRADIENT_NAMES[:len(refs)])})")
     reports = []
-    for name, grad, ref, base, inherited in zip(GRADIENT_NAMES, grads, refs, sdpa, from_16_bit_o):
+    for name, grad, ref, base, *inherited in zip(GRADIENT_NAMES, grads, refs, sdpa, *inherited_errors):
         if tuple(grad.shape) != tuple(ref.shape):
             raise AssertionError(f"{where}: {name} has shape {tuple(grad.shape)}; expected {tuple(ref.shape)}")
         assert_no_nan(grad, f"{where} {name}", "its index",
@@ -453,11 +456,10 @@ def assert_gradients_match(grads, q, k, v, do, where: str = "", **features) -> l
                       "written (dK and dV of a KV tile no Q tile sees must still be stored), or P was computed "
                       "as exp(inf - inf) for a row without keys (its LSE is -inf: the preprocess makes it +inf).")
         diff = (grad.double() - ref).abs()
-        inherited = inherited.to(grad.dtype)  # the gradients a kernel returns: 16-bit (dsink float32)
-        base_diff, inherited_diff = (base.double() - ref).abs(), (inherited.double() - ref).abs()
-        report = ErrorReport(diff.max().item(), diff.mean().item(),
-                             max(base_diff.max().item(), inherited_diff.max().item()),
-                             max(base_diff.mean().item(), inherited_diff.mean().item()))
+        # the gradients a kernel returns are 16-bit (dsink float32)
+        yardsticks = [(t.to(grad.dtype).double() - ref).abs() for t in (base, *inherited)]
+        report = ErrorReport(diff.max().item(), diff.mean().item(), max(y.max().item() for y in yardsticks),
+                             max(y.mean().item() for y in yardsticks))
         if not report.ok:
             worst = [int(i) for i in torch.unravel_index(diff.flatten().argmax(), grad.shape)]
             raise AssertionError(f"{where}: {name} differs from the float64 reference's gradient: {report}. "

@@ -61,6 +61,6 @@ def backward(attention, attention_backward, *, batch: int = 2, seqlen_q: int = 3
     do = torch.randn_like(q)
     out, lse = attention(q, k, v, return_lse=True, **features)
     grads = attention_backward(do, q, k, v, out, lse, **features)
-    reports = testing.assert_gradients_match(grads, q, k, v, do, "demo", **features)
+    reports = testing.assert_gradients_match(grads, q, k, v, do, "demo", out=out, **features)
     for name, report in zip(testing.GRADIENT_NAMES, reports):
         print(f"{name} {tuple(grads[testing.GRADIENT_NAMES.index(name)].shape)}: {report}")

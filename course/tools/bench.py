@@ -458,8 +458,9 @@ def sdpa_backward(backend):
 
 
 def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA cuDNN", "FA4")) -> dict:
-    """{name: (stage or None, fn())}: stage 11's backward and the ``baselines`` (SDPA's flash and cuDNN backward,
-    FA4's), each after its own forward on the same random inputs (only the backward is timed)."""
+    """{name: (stage or None, fn())}: stage 11's backward (default and deterministic) and the ``baselines``
+    (SDPA's flash and cuDNN backward, FA4's), each after its own forward on the same random inputs (only the
+    backward is timed)."""
     import torch
     from torch.nn.attention import SDPBackend
 
@@ -469,8 +470,9 @@ def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA c
                                  shape.head_dim, getattr(torch, shape.dtype))
     do = torch.randn_like(q)
     out, lse = module.attention(q, k, v, causal=shape.causal, return_lse=True)
-    calls = {f"stage {module.STAGE}": (module.STAGE, lambda: module.attention_backward(do, q, k, v, out, lse,
-                                                                                       causal=shape.causal))}
+    calls = {f"stage {module.STAGE}{suffix}": (module.STAGE, partial(module.attention_backward, do, q, k, v, out, lse,
+                                                                    causal=shape.causal, deterministic=deterministic))
+             for suffix, deterministic in (("", False), (" deterministic", True))}
     preparers = {"SDPA flash": lambda: sdpa_backward(SDPBackend.FLASH_ATTENTION),
                  "SDPA cuDNN": lambda: sdpa_backward(SDPBackend.CUDNN_ATTENTION), "FA4": fa4_backward}
     for name in baselines:

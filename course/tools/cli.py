@@ -109,7 +109,7 @@ def _backward_gpu_cells(stage: stages.Stage, module) -> tuple[str, str]:
     out, lse = module.attention(q, k, v, return_lse=True, **features)
     grads = module.attention_backward(do, q, k, v, out, lse, **features)
     try:
-        testing.assert_gradients_match(grads, q, k, v, do, "status", **features)
+        testing.assert_gradients_match(grads, q, k, v, do, "status", out=out, **features)
         numerics = "[green]pass[/]"
     except AssertionError:
         numerics = "[red]fail[/]"

@@ -125,7 +125,9 @@ def backward_table(rows: list[dict]) -> list[str]:
 
 BACKWARD_NOTE = ("The backward alone (each kernel's forward ran before the timed calls): dQ, dK and dV from dO, with "
                  "every kernel's own pre- and post-processing. TFLOP/s count 2.5 times the forward's FLOPs (five "
-                 "GEMMs to the forward's two), FlashAttention's convention; bf16.")
+                 "GEMMs to the forward's two), FlashAttention's convention; bf16. \"stage 11 deterministic\" is the "
+                 "same kernel with `deterministic=True`: the KV tiles add their dQ shares in a fixed order, so runs "
+                 "are bit-identical.")
 
 
 RAGGED_NOTE = ("TFLOP/s of useful work: 4 D H_q per (query, key) pair the mask lets through, each sequence on its "

@@ -139,7 +139,8 @@ def launch_stage(number: int) -> None:
                                                                  "sink_logits": torch.linspace(-1, 1, 4, device="cuda")})):
             q, k, v = testing.random_qkv(1, 200, 300, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
             o, lse = module.attention(q, k, v, return_lse=True, **options)
-            module.attention_backward(torch.randn_like(q), q, k, v, o, lse, **options)
+            for deterministic in (False, True):
+                module.attention_backward(torch.randn_like(q), q, k, v, o, lse, deterministic=deterministic, **options)
     else:
         features = [{}]
         if number >= 4:
