@@ -120,10 +120,19 @@ class KeyTileMask(WindowMask):
     sink tokens exempt from the left bound) are stage 8's.
     """
 
-    def __init__(self, n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config):
+    def __init__(self, n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, deterministic=False,
+                 rotate=0):
         super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, TILE_M, TILE_N)
         self.n_block = n_block
         self.key0 = n_block * TILE_N
+        # Deterministic and unmasked, every KV tile visits every Q tile: with ``rotate`` (the host's choice)
+        # tile n starts at Q tile n mod M, so the tiles do not all queue for Q tile 0 (dq_turn).
+        self.rotates = deterministic and not (config.has_left or config.has_right)
+        if self.rotates:
+            self.rotate = rotate
+            self.q_tiles = (seqlen_q + TILE_M - 1) // TILE_M
+            self.kv_tiles = (seqlen_k + TILE_N - 1) // TILE_N
+            self.rotation = (n_block % self.q_tiles) * rotate
 
     @cute.jit
     def m_block_range(self):
@@ -148,6 +157,17 @@ class KeyTileMask(WindowMask):
         return partial
 
     @cute.jit
+    def q_tile(self, step: cutlass.Int32, m_block_min: cutlass.Int32, n_m: cutlass.Int32):
+        """The Q tile of this KV tile's ``step``-th visit (for one query head): m_block_min, m_block_min + 1, ...;
+        rotated to start at ``rotation`` in the deterministic unmasked kernel."""
+        m_block = m_block_min + step
+        if cutlass.const_expr(self.rotates):
+            m_block = m_block + self.rotation
+            if m_block >= m_block_min + n_m:
+                m_block = m_block - n_m
+        return m_block
+
+    @cute.jit
     def dq_turn(self, m_block: cutlass.Int32):
         """How many KV tiles add into Q tile ``m_block``'s dQ before this one, in the deterministic order:
         descending tiles, the order in which causal CTAs reach a Q tile (the kernel launches them so).
@@ -167,7 +187,28 @@ class KeyTileMask(WindowMask):
             sink_tiles = (self.num_sink_tokens + self.tile_n - 1) // self.tile_n
             if self.n_block < sink_tiles:  # the sink tiles above this one, then the window's
                 turn = cutlass.min(sink_tiles, end) - 1 - self.n_block + cutlass.max(end - cutlass.max(first, sink_tiles), 0)
+        if cutlass.const_expr(self.rotates):
+            if self.rotate != 0:
+                turn = self.rotated_dq_turn(m_block)
         return turn
+
+    @cute.jit
+    def rotated_dq_turn(self, m_block: cutlass.Int32):
+        """dq_turn when tile n visits the Q tiles from n mod M on (M Q tiles, N KV tiles, no mask): tiles take
+        their turns in the order in which they reach ``m_block``, and of two that reach it at the same step
+        (N > M) the higher goes first. Tile n' reaches it at step (m_block - n') mod M."""
+        m, n = self.q_tiles, self.kv_tiles
+        arrival = m_block - self.rotation
+        if arrival < 0:
+            arrival = arrival + m
+        # Earlier arrivals: the tiles n' with n' mod M in the cyclic range [m_block - arrival + 1, m_block];
+        # each residue below N mod M has N // M + 1 tiles, the others N // M.
+        lo = m_block - arrival + 1
+        rest = n % m
+        earlier = (n // m) * arrival + cutlass.max(cutlass.min(m_block + 1, rest) - cutlass.max(lo, 0), 0)
+        if lo < 0:
+            earlier = earlier + cutlass.max(rest - (m + lo), 0)
+        return earlier + (n - 1 - self.n_block) // m
 
     @cute.jit
     def apply_transposed(self, acc_St: cute.Tensor, tStcSt: cute.Tensor, m_block: cutlass.Int32):
@@ -301,7 +342,7 @@ class AttentionBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdQturns: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32,
-                 window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, stream):
+                 window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, stream):
         mQ, mK, mV, mdO = (bshd_as_rows_dim(t) for t in (mQ, mK, mV, mdO))
         mdQaccum, mdK, mdV = (bshd_as_rows_dim(t) for t in (mdQaccum, mdK, mdV))
         mLSE, mD = bhs_as_s_h_b(mLSE), bhs_as_s_h_b(mD)
@@ -328,7 +369,7 @@ class AttentionBackward:
         self.kernel(
             sdp_mma, dkv_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_lse, tma_mLSE, tma_d, tma_mD, tma_dq, tma_mdQ, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
-            scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, *layouts,
+            scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, rotate, *layouts,
         ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream)
 
     def tiled_mmas(self):
@@ -394,7 +435,7 @@ class AttentionBackward:
                tma_dq: cute.CopyAtom, mdQ: cute.Tensor, mdQturns: cute.Tensor, tma_dk: cute.CopyAtom, mdK: cute.Tensor,
                tma_dv: cute.CopyAtom, mdV: cute.Tensor, scale_log2: cutlass.Float32,
                softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
-               num_sink_tokens: cutlass.Int32, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -417,14 +458,14 @@ class AttentionBackward:
             group = mQ.shape[2] // mK.shape[2]
             self.mma(sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, mdQturns, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
                      batch, group, mQ.shape[0], mK.shape[0], scale_log2, softmax_scale, window_left, window_right,
-                     num_sink_tokens)
+                     num_sink_tokens, rotate)
         else:
             cute.arch.setmaxregister_decrease(REGISTERS[MMA_WGS][0])
             if warp_idx == 0:
                 n_block, head_kv, batch = self.tile_coordinates()
                 group = mQ.shape[2] // mK.shape[2]
                 self.load(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
-                          n_block, head_kv, batch, group, window_left, window_right, num_sink_tokens)
+                          n_block, head_kv, batch, group, window_left, window_right, num_sink_tokens, rotate)
 
     @cute.jit
     def tile_coordinates(self):
@@ -458,22 +499,26 @@ class AttentionBackward:
             barrier_storage=storage.do_bars.data_ptr(), defer_sync=True)
         return pipeline_kv, pipeline_q, pipeline_do
 
-    def key_tile_mask(self, n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens):
-        return KeyTileMask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, self.config)
+    def key_tile_mask(self, n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate):
+        return KeyTileMask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, self.config,
+                           self.deterministic, rotate)
 
     # --8<-- [start:producer]
     @cute.jit
     def load(self, tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
              n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
-             window_left: cutlass.Int32, window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32):
+             window_left: cutlass.Int32, window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32,
+             rotate: cutlass.Int32):
         """The producer warp: this CTA's K and V, then Q, LSE, dO, D of every step, two steps ahead."""
         sQ, sdO, sK, sV, _, _, sLSE, sD = smem
         pipeline_kv, pipeline_q, pipeline_do = pipes
         d = self.head_dim
         one_cta = cute.make_layout(1)
-        mask = self.key_tile_mask(n_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens)
+        mask = self.key_tile_mask(n_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
+                                  rotate)
         m_block_min, m_block_max = mask.m_block_range()
         n_m = m_block_max - m_block_min
+        q_tile = mask.q_tile
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
         do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
@@ -489,7 +534,7 @@ class AttentionBackward:
 
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
-            m_block = m_block_min + step % n_m
+            m_block = q_tile(step % n_m, m_block_min, n_m)
             gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
             gLSE = cute.local_tile(mLSE[None, head, batch], (TILE_M,), (None,))
@@ -523,7 +568,7 @@ class AttentionBackward:
             n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
             seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32, scale_log2: cutlass.Float32,
             softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
-            num_sink_tokens: cutlass.Int32):
+            num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32):
         """The two MMA warpgroups: every step's five products; dK and dV at the end."""
         sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD = smem
         pipeline_kv, pipeline_q, pipeline_do = pipes
@@ -555,7 +600,7 @@ class AttentionBackward:
         rdS = cute.make_rmem_tensor_like(acc_dPt, self.dtype)
         tdKrdS = cute.make_tensor(rdS.iterator, acc_layout_as_operand_a(rdS.layout))
 
-        mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens)
+        mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate)
         m_block_min, m_block_max = mask.m_block_range()
         n_m = m_block_max - m_block_min
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -567,10 +612,11 @@ class AttentionBackward:
         tile_is_partial = mask.tile_is_partial
         apply_mask = mask.apply_transposed
         dq_turn = mask.dq_turn
+        q_tile = mask.q_tile
         last_turn = cutlass.Int32(0)  # deterministic: where the last reduce-add's turn is counted
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
-            m_block = m_block_min + step % n_m
+            m_block = q_tile(step % n_m, m_block_min, n_m)
             q, o = q_state.index, do_state.index
             pipeline_q.consumer_wait(q_state)
             warpgroup_gemm(sdp_mma, acc_St, tSrK, tSrQ[None, None, None, q])

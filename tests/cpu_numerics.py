@@ -1147,6 +1147,66 @@ def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]])
 
 
 @cute.jit
+def deterministic_visits(module: cutlass.Constexpr, config: cutlass.Constexpr, out: cute.Tensor, n_block: Int32,
+                         seqlen_q: Int32, seqlen_k: Int32, left: Int32, right: Int32, num_sink_tokens: Int32,
+                         rotate: Int32):
+    """The deterministic kernel's KeyTileMask of KV tile ``n_block``: ``out[0, s]`` the Q tile of step s
+    (``q_tile``), ``out[1, s]`` its ``dq_turn``; ``out[2, 0]`` the number of steps."""
+    mask = module.KeyTileMask(n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, True, rotate)
+    m_block_min, m_block_max = mask.m_block_range()
+    n_m = m_block_max - m_block_min
+    out[2, 0] = n_m
+    q_tile, dq_turn = mask.q_tile, mask.dq_turn
+    for step in range(n_m):
+        m_block = q_tile(step, m_block_min, n_m)
+        out[0, step] = m_block
+        out[1, step] = dq_turn(m_block)
+
+
+def check_deterministic_turns(module, features: dict, lengths: list[tuple[int, int]], rotate: int) -> None:
+    """The deterministic dQ order, KV tile by KV tile (``q_tile`` and ``dq_turn``): every tile visits each Q tile
+    it sees once, the turns of a Q tile's visitors are 0, 1, 2, ... (one each), and the CTAs, all resident and
+    each waiting at every step for its turn, finish: no wait that never ends."""
+    left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
+    sinks = features.get("num_sink_tokens", 0)
+    config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
+    tile_m, tile_n = module.TILE_M, module.TILE_N
+    m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
+    out = torch.zeros(3, m_blocks, dtype=torch.int32)
+    for s_q, s_k in lengths:
+        where = f"deterministic, {mask_description(features)}, S_q={s_q}, S_k={s_k}, rotate={rotate}"
+        visible = reference.visible_keys(s_q, s_k, **features)
+        visits = {}
+        for n_block in range(_tiles(s_k, tile_n)):
+            args = (out, n_block, s_q, s_k, left, right, sinks, rotate)
+            compile_on_cpu(deterministic_visits, (module, config), args)(*args)
+            steps = out[2, 0].item()
+            visits[n_block] = [(out[0, i].item(), out[1, i].item()) for i in range(steps)]
+            seen = {m for m in range(_tiles(s_q, tile_m))
+                    if visible[m * tile_m:(m + 1) * tile_m, n_block * tile_n:(n_block + 1) * tile_n].any()}
+            if sorted(m for m, _ in visits[n_block]) != sorted(seen):
+                raise AssertionError(f"q_tile, {where}: KV tile {n_block} visits Q tiles "
+                                     f"{[m for m, _ in visits[n_block]]}; it should visit each of {sorted(seen)} once")
+        for m in range(_tiles(s_q, tile_m)):
+            turns = sorted(turn for tile in visits.values() for q, turn in tile if q == m)
+            if turns != list(range(len(turns))):
+                raise AssertionError(f"dq_turn, {where}: the KV tiles that add into Q tile {m} take turns {turns}; "
+                                     f"each of 0..{len(turns) - 1} must be taken once")
+        counters, position = {}, dict.fromkeys(visits, 0)
+        while any(position[n] < len(visits[n]) for n in visits):
+            moved = False
+            for n, tile in visits.items():
+                if position[n] < len(tile) and counters.get(tile[position[n]][0], 0) == tile[position[n]][1]:
+                    counters[tile[position[n]][0]] = tile[position[n]][1] + 1
+                    position[n] += 1
+                    moved = True
+            if not moved:
+                stuck = {n: visits[n][position[n]] for n in visits if position[n] < len(visits[n])}
+                raise AssertionError(f"dq_turn, {where}: the CTAs wait forever: (KV tile: (Q tile, its turn)) {stuck}, "
+                                     f"while the Q tiles' counters are {counters}")
+
+
+@cute.jit
 def score_gradients(module: cutlass.Constexpr, s: cute.Tensor, dp: cute.Tensor, lse: cute.Tensor, d: cute.Tensor,
                     scale_log2: Float32):
     """probabilities_and_score_gradients on every MMA thread's registers: s [TILE_N, TILE_M] becomes P^T, dp dS^T."""

@@ -243,5 +243,14 @@ def test_on_cpu_m_block_range(stage, mask):
 
 
 @pytest.mark.compiles
+@pytest.mark.parametrize("rotate", [0, 1], ids=["descending", "rotated"])
+@pytest.mark.parametrize("mask", list(CPU_MASKS))
+def test_on_cpu_deterministic_turns(stage, mask, rotate):
+    """The deterministic mode's order: every Q tile's adders take distinct turns 0, 1, ..., and the CTAs,
+    each waiting for its turn at every step, never wait forever (rotation applies to the unmasked kernel)."""
+    cpu_numerics.check_deterministic_turns(stage, CPU_MASKS[mask], CPU_LENGTHS + [(64, 1000), (1000, 300)], rotate)
+
+
+@pytest.mark.compiles
 def test_on_cpu_probabilities_and_score_gradients(stage):
     cpu_numerics.check_score_gradients(stage)

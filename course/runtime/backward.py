@@ -26,6 +26,7 @@ from course.runtime.compile import (
 LOG2_E = math.log2(math.e)
 HEAD_DIMS = validation.BACKWARD_HEAD_DIMS
 TILE_M = 64  # the kernel's Q tile: D and the LSE are padded to a multiple of it
+KV_TILE = 128  # the kernel's KV tile: one CTA each
 
 
 def kernel_configs() -> list[prefill.KernelConfig]:
@@ -53,7 +54,7 @@ def fake_arguments(config: prefill.KernelConfig) -> tuple:
     dk = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
     dv = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
     return (q, k, v, do, lse, d, dq_accum, dq_turns, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0),
-            cutlass.Int32(0), cutlass.Int32(0))
+            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0))
 
 
 def cross_compile_config(kernel_class, config: prefill.KernelConfig, *, stage: int, deterministic: bool = False,
@@ -143,6 +144,10 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     rows = (shape.batch, shape.heads_q, m_blocks * TILE_M)  # padded to whole Q tiles
     device = q.device
     no_turns = torch.zeros((1, 1, 1), device=device, dtype=torch.int32)  # read only in deterministic mode
+    # Deterministic and unmasked: each KV tile starts at its own Q tile (KeyTileMask.q_tile), which makes tiles
+    # wait on tiles launched after them; safe only while all KV tiles of a head fit on the GPU at once.
+    rotate = int(deterministic and left < 0 and right < 0
+                 and -(-shape.seqlen_k // KV_TILE) <= torch.cuda.get_device_properties(device).multi_processor_count)
 
     def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):
         lse_log2, d = (torch.empty(rows, device=device, dtype=torch.float32) for _ in range(2))
@@ -154,7 +159,8 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
         turns = (torch.zeros((shape.batch, shape.heads_q, m_blocks), device=device, dtype=torch.int32)
                  if deterministic else no_turns)
         pre(do, o, lse, lse_log2, d, dq_accum)
-        kernel(q, k, v, do, lse_log2, d, dq_accum, turns, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens)
+        kernel(q, k, v, do, lse_log2, d, dq_accum, turns, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens,
+               rotate)
         post(dq_accum, dq, scale)
         if sink_logits is None:
             return dq, dk, dv
