@@ -1,6 +1,6 @@
 """The course command line: python -m course COMMAND.
 
-Commands: status, check N, reset N, bench, model-bench, host-bench, sanitize, sass N, notebooks, skeletons, diffs.
+Commands: status, check N, hint N, reset N, bench, model-bench, host-bench, sanitize, sass N, notebooks, skeletons, diffs.
 
 Run "python -m course COMMAND --help" for what a command does and its options.
 """
@@ -62,6 +62,14 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failing test (pytest -x)")
     check.add_argument("-v", "--verbose", action="store_true",
                        help="also show pytest's own report: every test's outcome and full tracebacks")
+
+    hint = sub.add_parser("hint", help="a stage's hints one at a time (the page folds them; raw markdown does not)",
+                          description="Without EXERCISE: the stage's exercises, numbered. With it: that exercise's "
+                                      "hint LEVEL (1, a nudge, by default; the last is nearly the answer), as the "
+                                      "page's folded hints say it, and how to get the next.")
+    hint.add_argument("stage", type=stage_number, help="the stage number, e.g. 8")
+    hint.add_argument("exercise", nargs="?", help="the exercise's number in the list, or part of its name")
+    hint.add_argument("level", nargs="?", type=int, default=1, help="which hint: 1 (the default), 2, 3")
 
     reset = sub.add_parser("reset", help="start a stage over: restore its skeleton in stages/, keeping a backup",
                            description="Write stage N's skeleton (TODOs and all) to stages/. Your file is kept next "
@@ -176,6 +184,10 @@ def main(argv=None) -> int:
         return run_check(args.stage, args.impl, keyword=args.keyword, exitfirst=args.exitfirst, verbose=args.verbose)
     if args.command == "reset":
         return run_reset(args.stage)
+    if args.command == "hint":
+        from course.tools import hints
+
+        return hints.main(args.stage, args.exercise, args.level)
     if args.command == "bench":
         from course.tools import bench as bench_mod
 

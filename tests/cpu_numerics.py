@@ -1056,6 +1056,206 @@ def check_locate(module, lengths_q, heads: int = 3, tile_m: int = Q_TILE_ROWS) -
                         f"{scheduler.num_batch} (none), got {batch}")
 
 
+# ---------------------------------------------------------------- producer steps: a KV tile into the ring (2, 10)
+
+class _Ring:
+    """A pipeline state of a ring of ``stages`` buffers: its buffer and the phase of that buffer's barriers."""
+
+    def __init__(self, count: int, stages: int = 2):
+        self.index, self.phase = count % stages, (count // stages) % 2
+
+    def __repr__(self):
+        return f"state(buffer {self.index}, phase {self.phase})"
+
+
+class _RecordingPipe:
+    """A PipelineTmaAsync's producer side: what a producer step asks of it, in order."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def producer_acquire(self, state):
+        self.log.append(("acquire", state.index, state.phase))
+
+    def producer_get_barrier(self, state):
+        return ("the full barrier of buffer", state.index, "phase", state.phase)
+
+    def producer_commit(self, state):
+        self.log.append(("commit", state.index, state.phase))
+
+
+class _Tiles:
+    """tXgX / tXsX: indexing gives a name for the tile it selects, ("global", n_block) or ("ring", index)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, key):
+        return (self.name, *(int(k) for k in (key if isinstance(key, tuple) else (key,)) if k is not None))
+
+
+def plain_python_function(module, name: str, namespace: dict):
+    """Module-level function ``name`` of ``module`` as plain Python (decorators dropped, annotations left
+    unevaluated) over ``namespace``, made afresh from the source as ``plain_python_method`` does."""
+    import __future__
+    import ast
+
+    source = Path(module.__file__).read_text()
+    function = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == name)
+    function.decorator_list = []
+    code = compile(ast.Module(body=[ast.fix_missing_locations(function)], type_ignores=[]), module.__file__, "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, namespace)
+    return namespace[name]
+
+
+def _python_range(*bounds, **_):
+    return range(*(int(b) for b in bounds))
+
+
+def _dsl_stand_ins(copy, arch) -> dict:
+    from types import SimpleNamespace
+
+    return dict(cute=SimpleNamespace(copy=copy, arch=arch),
+                cutlass=SimpleNamespace(range=_python_range, range_constexpr=_python_range, Int32=int, Boolean=bool,
+                                        min=min, max=max, const_expr=lambda x: x, Constexpr=object))
+
+
+def _check_producer_log(log: list, state, expected: dict, where: str) -> None:
+    """One producer step's log: acquire(state) before any copy, then one copy per expected destination, each
+    from the expected source and completing on the state's full barrier. ``expected``: {dst: src or None}
+    (None: any source, the copy reads nothing that matters)."""
+    acquires = [i for i, event in enumerate(log) if event[0] == "acquire"]
+    copies = [(i, event) for i, event in enumerate(log) if event[0] == "copy"]
+    if len(acquires) != 1 or log[acquires[0]][1:] != (state.index, state.phase):
+        raise AssertionError(f"{where}: producer_acquire ran {len(acquires)} time(s), with "
+                             f"{[log[i][1:] for i in acquires]}; expected once, with this step's {state}: the copy "
+                             "may start only once the consumers have released that buffer")
+    if copies and copies[0][0] < acquires[0]:
+        raise AssertionError(f"{where}: a TMA copy is issued before producer_acquire: it may overwrite the buffer "
+                             "while the consumers still read the tile it held")
+    barrier = ("the full barrier of buffer", state.index, "phase", state.phase)
+    seen = {}
+    for _, (_, src, dst, bar) in copies:
+        if bar != barrier:
+            raise AssertionError(f"{where}: a copy into {dst} completes on {bar}; expected {barrier} "
+                                 "(pipe.producer_get_barrier(state)): the consumers wait on that barrier, and a copy "
+                                 "that signals another one leaves them waiting forever, or reading too early")
+        if dst in seen:
+            raise AssertionError(f"{where}: two copies write {dst}")
+        seen[dst] = src
+    if set(seen) != set(expected):
+        raise AssertionError(f"{where}: the copies write {sorted(seen)}; expected {sorted(expected)}: the tile goes "
+                             f"to the buffer {state} points at (state.index), all of it")
+    for dst, src in expected.items():
+        if src is not None and seen[dst] != src:
+            raise AssertionError(f"{where}: the copy into {dst} reads {seen[dst]}; expected {src}, the rows this "
+                                 "step is asked for")
+
+
+def check_load_tile(module) -> None:
+    """Your load_tile as plain Python with a recording pipeline and TMA copy: for ring states of both phases
+    and KV tiles in any order, one producer_acquire of the step's state, then the tile ``n_block`` copied into
+    that state's buffer, completing on that buffer's full barrier."""
+    log: list = []
+    copy = lambda _atom, src, dst, tma_bar_ptr=None: log.append(("copy", src, dst, tma_bar_ptr))  # noqa: E731
+    load_tile = plain_python_function(module, "load_tile", {**vars(module), **_dsl_stand_ins(copy, None)})
+    for count, n_block in enumerate((3, 0, 5, 1, 4)):
+        state = _Ring(count)
+        log.clear()
+        load_tile(_RecordingPipe(log), state, None, _Tiles("global K/V tile"), _Tiles("ring buffer"), n_block)
+        _check_producer_log(log, state, {("ring buffer", state.index): ("global K/V tile", n_block)},
+                            f"load_tile(KV tile {n_block}, {state})")
+
+
+def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 128, num_pages: int = 40,
+                          seed: int = 0) -> None:
+    """Your load_paged_tile run by 32 threads, one per lane, with a recording pipeline and TMA copy and
+    ``shuffle_sync`` exchanging the lanes' values: for every KV tile of a sequence of ``seqlen_k`` keys in
+    pages of ``page_size`` rows (a shuffled block table), the lanes issue the same copies, and these cover
+    the tile's rows in order from the right page (page ``num_pages``, outside the pool, past ``seqlen_k``),
+    after one producer_acquire, completing on the buffer's full barrier; no block-table entry at or past
+    the sequence's pages is read."""
+    import random
+    import threading
+    from types import SimpleNamespace
+
+    from course.runtime import varlen
+
+    page_rows = varlen.page_rows(tile_n, page_size)
+    used = -(-seqlen_k // page_size)
+    table = random.Random(seed).sample(range(num_pages), used) + [10**6 + i for i in range(3)]  # then garbage
+    lane_of = threading.local()
+    logs = [[] for _ in range(WARP)]
+    shared, barrier = [0] * WARP, threading.Barrier(WARP, timeout=10)
+    errors: list = []
+
+    class BlockTableRow:
+        def __getitem__(self, index):
+            index = int(index)
+            if index >= used:
+                raise AssertionError(f"lane {lane_of.lane} reads block-table entry {index}, past the sequence's "
+                                     f"{used} pages (keys {index * page_size} on, at or past seqlen_k = {seqlen_k}): "
+                                     "those entries may be anything. A copy past seqlen_k reads page num_pages")
+            return table[index]
+
+    def shuffle_sync(value, lane, **_):
+        shared[lane_of.lane] = int(value)
+        barrier.wait()
+        result = shared[int(lane)]
+        barrier.wait()
+        return result
+
+    arch = SimpleNamespace(lane_idx=lambda: lane_of.lane, shuffle_sync=shuffle_sync)
+    copy = lambda _atom, src, dst, tma_bar_ptr=None: logs[lane_of.lane].append(("copy", src, dst, tma_bar_ptr))  # noqa: E731
+    namespace = {**vars(module), **_dsl_stand_ins(copy, arch)}
+    load_paged_tile = plain_python_function(module, "load_paged_tile", namespace)
+    def lane(number, state, n_block, where):
+        lane_of.lane = number
+        try:
+            load_paged_tile(_RecordingPipe(logs[number]), state, None, _Tiles("pool"), _Tiles("ring buffer"), n_block,
+                            seqlen_k, page_size, BlockTableRow(), num_pages, tile_n, page_rows)
+        except threading.BrokenBarrierError:
+            errors.append(f"{where}: the lanes did not all reach the same shuffle_sync: every lane must run each "
+                          "shuffle (a shuffle inside a branch that some lanes skip hangs the warp)")
+        except Exception as failure:  # noqa: BLE001 (raised below, in the test's thread)
+            errors.append(failure)
+            barrier.abort()
+
+    for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):
+        state = _Ring(count)
+        where = f"load_paged_tile(KV tile {n_block}, {state}), seqlen_k {seqlen_k}, pages of {page_size} rows"
+        for log in logs:
+            log.clear()
+        threads = [threading.Thread(target=lane, args=(n, state, n_block, where)) for n in range(WARP)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            failure = next((e for e in errors if isinstance(e, BaseException)), errors[0])
+            if isinstance(failure, BaseException):
+                raise failure
+            raise AssertionError(failure)
+        if any(log != logs[0] for log in logs):
+            first = next(n for n, log in enumerate(logs) if log != logs[0])
+            raise AssertionError(f"{where}: lane {first} issues other copies than lane 0: a TMA copy is issued once "
+                                 "for the warp, so its coordinates must be the same in every lane (shuffle_sync gives "
+                                 "every lane one lane's value)")
+        expected = {}
+        for c in range(tile_n // page_rows):
+            key = n_block * tile_n + c * page_rows
+            src = ("pool", (key % page_size) // page_rows, table[key // page_size]) if key < seqlen_k else None
+            expected[("ring buffer", c, state.index)] = src
+        _check_producer_log(logs[0], state, expected, where)
+        past = [dst for dst, src in expected.items() if src is None]
+        for _, src, dst, _ in (event for event in logs[0] if event[0] == "copy"):
+            if dst in past and src[-1] != num_pages:
+                raise AssertionError(f"{where}: the copy into {dst} holds only keys at or past seqlen_k but reads "
+                                     f"page {src[-1]}; it must read page num_pages = {num_pages}, outside the pool, "
+                                     "which TMA fills with zeros")
+
+
 # ---------------------------------------------------------------- stage 11: a KV tile's Q tiles, P and dS
 
 def sdp_tiled_mma(module):

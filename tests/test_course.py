@@ -573,7 +573,8 @@ def test_a_hint_continues_on_indented_comment_lines():
                 "    return 1\n    # [/exercise]\n")
     text = skeleton.skeleton_source(solution, 3, "stages/03-online-softmax.md")
     assert "    # TODO(stage 3): The first line\n    #   and the second.\n    raise NotImplementedError(" in text
-    assert "in f(): The first line and the second. Hints: docs/stages/03-online-softmax.md" in text
+    assert ("in f(): The first line and the second. Hints, one at a time: python -m course hint 3 (folded on "
+            "docs/stages/03-online-softmax.md)") in text
     assert "a comment of the code" not in text and "return 1" not in text
 
 
@@ -754,3 +755,35 @@ def test_ragged_rows_render_and_merge(tmp_path):
     text = (tmp_path / results_page.stage_file(10)).read_text()
     assert "Not measured yet" not in text and f"| {shape.label} | **stage 10** | 6.000 |" in text
     assert "| 1.10x |" in text, "stage 10's row says how it compares with FA4 in the same rounds"
+
+
+# ---------------------------------------------------------------- course hint
+
+@pytest.mark.parametrize("stage", [s for s in stages.STAGES if s.ready], ids=lambda s: f"stage{s.number}")
+def test_every_exercise_has_its_hints_in_order(stage):
+    """`course hint N` finds the page's hints: every stage with TODOs has exercises, each with Hint 1, 2, 3 in
+    order (a nudge to nearly the answer), and together as many as the stage has exercise regions or fewer
+    (one exercise may span two functions)."""
+    from course.tools import hints
+
+    found = hints.exercises((stages.ROOT / "docs" / stage.docs_page).read_text())
+    todos = skeleton.exercise_functions(stage)
+    assert found and len(found) <= len(todos), f"docs/{stage.docs_page}: {len(found)} hint groups for {todos}"
+    for exercise in found:
+        levels = [int(hints.HINT_TITLE.match(title)["level"]) for title, _ in exercise.hints]
+        assert levels == [1, 2, 3], f"docs/{stage.docs_page}, {exercise.name}: hints {levels}; expected 1, 2, 3"
+        assert all(text for _, text in exercise.hints), f"docs/{stage.docs_page}, {exercise.name}: an empty hint"
+
+
+def test_course_hint_prints_one_hint_at_a_time(capsys):
+    """`course hint 11 1` prints the first hint of the first exercise and not the second; the last hint
+    points to the solutions; a wrong exercise lists the right ones."""
+    from course.tools import hints
+
+    found = hints.exercises((stages.ROOT / "docs" / stages.get(11).docs_page).read_text())
+    assert hints.main(11, "1") == 0
+    text = capsys.readouterr().out
+    assert found[0].hints[0][1] in text and found[0].hints[1][1] not in text
+    assert "hint 11 1 2" in text
+    assert hints.main(11, "gradients", 3) == 0 and "Solutions" in capsys.readouterr().out
+    assert hints.main(11, "no-such-exercise") == 1 and "1: KeyTileMask.m_block_range" in capsys.readouterr().out

@@ -6,8 +6,8 @@ learner's code), where they pass; here each check meets one bug it exists to cat
 
 import cpu_numerics
 import pytest
-from mutations import (Delete, DropConjunct, DropFactor, DropTerm, KeepArgument, SetTest, SetValue, Square,
-                       mutate)
+from mutations import (Delete, DropConjunct, DropFactor, DropTerm, KeepArgument, MoveBefore, SetArgument, SetTest,
+                       SetValue, Square, Unwrap, mutate)
 
 from course.runtime import stages
 
@@ -83,6 +83,21 @@ PLANTED = {
     "sink-tile-not-seen-by-every-row": (
         11, "m_block_range", [SetValue("limit", "limit", nth=1)],
         lambda m: cpu_numerics.check_key_tile_masks(m, dict(window_size=(64, 0), num_sink_tokens=4), [(300, 300)])),
+    "copy-before-the-buffer-is-empty": (2, "load_tile", [MoveBefore("cute.copy", "pipe.producer_acquire")],
+                                        cpu_numerics.check_load_tile),
+    "copy-on-no-barrier": (2, "load_tile", [SetArgument("cute.copy", "tma_bar_ptr", "None")],
+                           cpu_numerics.check_load_tile),
+    "tile-by-the-ring-index": (2, "load_tile", [SetArgument("cute.copy", 1, "tXgX[None, state.index]")],
+                               cpu_numerics.check_load_tile),
+    "always-buffer-zero": (2, "load_tile", [SetArgument("cute.copy", 2, "tXsX[None, 0]")],
+                           cpu_numerics.check_load_tile),
+    "block-table-read-past-the-keys": (10, "load_paged_tile", [Unwrap()],
+                                       lambda m: cpu_numerics.check_load_paged_tile(m, 16, 300)),
+    "page-by-the-lane-not-the-copy": (10, "load_paged_tile", [SetArgument("cute.arch.shuffle_sync", 1, "0")],
+                                      lambda m: cpu_numerics.check_load_paged_tile(m, 16, 300)),
+    "paged-copy-before-the-buffer-is-empty": (
+        10, "load_paged_tile", [MoveBefore("pipe.producer_acquire", "pipe.producer_commit")],
+        lambda m: cpu_numerics.check_load_paged_tile(m, 16, 300)),
     "score-gradient-without-d": (11, "probabilities_and_score_gradients", [DropTerm("dp[r, c]", "d")],
                                  cpu_numerics.check_score_gradients),
     "probabilities-without-the-lse": (11, "probabilities_and_score_gradients", [DropTerm("p[r, c]", "lse")],

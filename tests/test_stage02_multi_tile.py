@@ -36,6 +36,12 @@ def test_on_cpu_update_row_max_and_exponentiate_rows(stage, case):
     cpu_numerics.check_attend_rows(stage, n_tiles=3, seqlen_k=seqlen_k, logit_scale=logit_scale)
 
 
+def test_on_cpu_load_tile(stage):
+    """Your load_tile as plain Python with a recording pipeline and TMA copy (tests/cpu_numerics.py): one
+    producer_acquire of the step's state, then KV tile n_block into that state's buffer, on its full barrier."""
+    cpu_numerics.check_load_tile(stage)
+
+
 def test_on_cpu_synchronization(stage):
     """Your tile_scores and passes, recorded on the CPU and replayed in a model of the hardware's rules: each K
     and V buffer read only after its wait and released once, after the WGMMAs reading it (tests/cpu_sync.py)."""

@@ -220,6 +220,19 @@ LOCATE_BATCHES = {
 }
 
 
+# (page_size, seqlen_k): pages smaller than a KV tile (8 copies of 16 rows), as large (1 copy), larger (a
+# copy of a page's part), a last tile cut by S_k mid-page, and copies wholly past S_k.
+PAGED_LOADS = [(16, 300), (128, 129), (256, 300), (64, 1000), (32, 40)]
+
+
+@pytest.mark.parametrize("page_size, seqlen_k", PAGED_LOADS, ids=[f"page{p}-sk{s}" for p, s in PAGED_LOADS])
+def test_on_cpu_load_paged_tile(stage, page_size, seqlen_k):
+    """Your load_paged_tile, 32 lanes as 32 threads on the CPU (tests/cpu_numerics.py): the same copies in every
+    lane, the tile's rows in order from the right pages (page num_pages past S_k), after one producer_acquire
+    and on the buffer's full barrier; no block-table entry past the sequence's pages read."""
+    cpu_numerics.check_load_paged_tile(stage, page_size, seqlen_k)
+
+
 @pytest.mark.parametrize("name", list(LOCATE_BATCHES))
 def test_on_cpu_locate(stage, name):
     """Your locate, one warp in lockstep on the CPU (tests/cpu_numerics.py): every linear tile's sequence and

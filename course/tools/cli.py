@@ -300,8 +300,8 @@ def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
         lines.print(f"{path.relative_to(stages.ROOT).as_posix()}:{line}" + ("" if todo else f": {source}"), markup=False)
     message = error_message(report)
     lines.print(message or "(no message)", markup=False)
-    if "Hints:" not in message:
-        lines.print(f"Hints: docs/{stage.docs_page}")
+    if "Hints" not in message:
+        lines.print(f"Hints, one at a time: python -m course hint {stage.number} (folded on docs/{stage.docs_page})")
 
 
 def _coverage_line(stage: stages.Stage) -> str:
