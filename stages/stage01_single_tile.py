@@ -109,7 +109,7 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     #   writes made before the call must be ordered before the MMAs read them; nothing waits here
     #   (the caller does). tiled_mma is shared by every call: leave its fields alone.
     #   (page: Warpgroups and WGMMA)
-    raise NotImplementedError('TODO(stage 1) in warpgroup_gemm(): acc = A B over every k-block of tCrA/tCrB, issued as ONE committed group of asynchronous WGMMAs. Whatever acc held before is discarded (no zero-fill needed); register writes made before the call must be ordered before the MMAs read them; nothing waits here (the caller does). tiled_mma is shared by every call: leave its fields alone. (page: Warpgroups and WGMMA) Hints, one at a time: python -m course hint 1 (folded on docs/stages/01-single-tile.md)')
+    raise NotImplementedError('TODO(stage 1) in warpgroup_gemm(): acc = A B over every k-block of tCrA/tCrB, issued as ONE committed group of asynchronous WGMMAs. Whatever acc held before is discarded (no zero-fill needed); register writes made before the call must be ordered before the MMAs read them; nothing waits here (the caller does). tiled_mma is shared by every call: leave its fields alone. (page: Warpgroups and WGMMA) Hints, one at a time: python -m course hint 1 (docs/stages/01-single-tile.md as raw markdown shows them all at once)')
 # --8<-- [end:gemm]
 
 
@@ -147,7 +147,7 @@ def softmax_rows(acc_S: cute.Tensor, scale_log2: cutlass.Float32) -> cute.Tensor
     #   WHOLE row. A row's columns are spread over the 4 threads of a quad: its max and its sum
     #   must cover all four threads, and all four end with the same values.
     #   (page: Softmax on the accumulator fragment)
-    raise NotImplementedError("TODO(stage 1) in softmax_rows(): On return every s[r, c] holds P as the docstring defines it, in place of S (each value in [0, 1]; a -inf score gives 0), and row_sum[r] is the sum of P over the WHOLE row. A row's columns are spread over the 4 threads of a quad: its max and its sum must cover all four threads, and all four end with the same values. (page: Softmax on the accumulator fragment) Hints, one at a time: python -m course hint 1 (folded on docs/stages/01-single-tile.md)")
+    raise NotImplementedError("TODO(stage 1) in softmax_rows(): On return every s[r, c] holds P as the docstring defines it, in place of S (each value in [0, 1]; a -inf score gives 0), and row_sum[r] is the sum of P over the WHOLE row. A row's columns are spread over the 4 threads of a quad: its max and its sum must cover all four threads, and all four end with the same values. (page: Softmax on the accumulator fragment) Hints, one at a time: python -m course hint 1 (docs/stages/01-single-tile.md as raw markdown shows them all at once)")
     return row_sum
 # --8<-- [end:softmax]
 
@@ -160,7 +160,7 @@ def scores_to_operand_a(acc_S: cute.Tensor, dtype: cutlass.Constexpr) -> cute.Te
     #   values, laid out as the A operand of the P V WGMMA. No value moves between threads and
     #   nothing goes through shared memory; acc_S is left as it is.
     #   (page: From S to P without shared memory)
-    raise NotImplementedError("TODO(stage 1) in scores_to_operand_a(): Return P as a NEW register tensor of dtype (fp16/bf16) holding acc_S's fp32 values, laid out as the A operand of the P V WGMMA. No value moves between threads and nothing goes through shared memory; acc_S is left as it is. (page: From S to P without shared memory) Hints, one at a time: python -m course hint 1 (folded on docs/stages/01-single-tile.md)")
+    raise NotImplementedError("TODO(stage 1) in scores_to_operand_a(): Return P as a NEW register tensor of dtype (fp16/bf16) holding acc_S's fp32 values, laid out as the A operand of the P V WGMMA. No value moves between threads and nothing goes through shared memory; acc_S is left as it is. (page: From S to P without shared memory) Hints, one at a time: python -m course hint 1 (docs/stages/01-single-tile.md as raw markdown shows them all at once)")
 # --8<-- [end:convert]
 
 

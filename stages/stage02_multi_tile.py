@@ -146,7 +146,7 @@ def update_row_max(acc_S: cute.Tensor, row_max: cute.Tensor):
     # TODO(stage 2): After the call row_max[r] is the larger of its old value and every score this
     #   thread holds in row r of this tile. This thread's columns only: the quad is reduced once,
     #   after the last tile. (page: Why two passes)
-    raise NotImplementedError("TODO(stage 2) in update_row_max(): After the call row_max[r] is the larger of its old value and every score this thread holds in row r of this tile. This thread's columns only: the quad is reduced once, after the last tile. (page: Why two passes) Hints, one at a time: python -m course hint 2 (folded on docs/stages/02-multi-tile.md)")
+    raise NotImplementedError("TODO(stage 2) in update_row_max(): After the call row_max[r] is the larger of its old value and every score this thread holds in row r of this tile. This thread's columns only: the quad is reduced once, after the last tile. (page: Why two passes) Hints, one at a time: python -m course hint 2 (docs/stages/02-multi-tile.md as raw markdown shows them all at once)")
 
 
 @cute.jit
@@ -159,7 +159,7 @@ def exponentiate_rows(acc_S: cute.Tensor, row_max: cute.Tensor, scale_log2: cutl
     #   the same units as stage 1's softmax_rows, and row_sum[r] has grown by this tile's P of
     #   this thread's columns (no quad reduction: that comes after the last tile).
     #   (page: Why two passes)
-    raise NotImplementedError("TODO(stage 2) in exponentiate_rows(): row_max is final (every tile, whole quad). On return S holds P against it, in the same units as stage 1's softmax_rows, and row_sum[r] has grown by this tile's P of this thread's columns (no quad reduction: that comes after the last tile). (page: Why two passes) Hints, one at a time: python -m course hint 2 (folded on docs/stages/02-multi-tile.md)")
+    raise NotImplementedError("TODO(stage 2) in exponentiate_rows(): row_max is final (every tile, whole quad). On return S holds P against it, in the same units as stage 1's softmax_rows, and row_sum[r] has grown by this tile's P of this thread's columns (no quad reduction: that comes after the last tile). (page: Why two passes) Hints, one at a time: python -m course hint 2 (docs/stages/02-multi-tile.md as raw markdown shows them all at once)")
 
 
 @cute.jit
@@ -195,7 +195,7 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
     #   lands in the ring buffer that state points at. The copy may start only once that buffer is
     #   empty, and must complete on that buffer's full barrier, which the consumers wait on. The
     #   caller advances state. (page: Producer and consumer steps)
-    raise NotImplementedError("TODO(stage 2) in load_tile(): Producer step: KV tile n_block (the runtime index, never a trace-time constant) lands in the ring buffer that state points at. The copy may start only once that buffer is empty, and must complete on that buffer's full barrier, which the consumers wait on. The caller advances state. (page: Producer and consumer steps) Hints, one at a time: python -m course hint 2 (folded on docs/stages/02-multi-tile.md)")
+    raise NotImplementedError("TODO(stage 2) in load_tile(): Producer step: KV tile n_block (the runtime index, never a trace-time constant) lands in the ring buffer that state points at. The copy may start only once that buffer is empty, and must complete on that buffer's full barrier, which the consumers wait on. The caller advances state. (page: Producer and consumer steps) Hints, one at a time: python -m course hint 2 (docs/stages/02-multi-tile.md as raw markdown shows them all at once)")
 # --8<-- [end:load_tile]
 
 
@@ -212,7 +212,7 @@ def tile_scores(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tS
     #   k_state points at. Read the buffer only once it is full, and hand it back to the producer
     #   as soon as (and not before) the WGMMAs that read it have completed. The caller advances
     #   k_state. (page: Producer and consumer steps)
-    raise NotImplementedError('TODO(stage 2) in tile_scores(): Consumer step: on return acc_S = Q K^T for the K tile in the ring buffer that k_state points at. Read the buffer only once it is full, and hand it back to the producer as soon as (and not before) the WGMMAs that read it have completed. The caller advances k_state. (page: Producer and consumer steps) Hints, one at a time: python -m course hint 2 (folded on docs/stages/02-multi-tile.md)')
+    raise NotImplementedError('TODO(stage 2) in tile_scores(): Consumer step: on return acc_S = Q K^T for the K tile in the ring buffer that k_state points at. Read the buffer only once it is full, and hand it back to the producer as soon as (and not before) the WGMMAs that read it have completed. The caller advances k_state. (page: Producer and consumer steps) Hints, one at a time: python -m course hint 2 (docs/stages/02-multi-tile.md as raw markdown shows them all at once)')
     if (n_block + 1) * TILE_N > seqlen_k:  # only the last tile can hold keys beyond S_k
         mask_keys_beyond(acc_S, tScS, seqlen_k - n_block * TILE_N)
 # --8<-- [end:tile_scores]
@@ -228,7 +228,7 @@ def first_pass_row_max(qk_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Ten
     #   producer loads them: afterwards row_max[r] is the max of row r over all S_k keys, the same
     #   in the 4 threads of a quad. Every K buffer waited for is released, and k_state ends past
     #   the last tile: pass 2 continues from it. (page: Why two passes)
-    raise NotImplementedError('TODO(stage 2) in first_pass_row_max(): Pass 1 over KV tiles 0 .. n_blocks - 1 (a runtime loop), in the order the producer loads them: afterwards row_max[r] is the max of row r over all S_k keys, the same in the 4 threads of a quad. Every K buffer waited for is released, and k_state ends past the last tile: pass 2 continues from it. (page: Why two passes) Hints, one at a time: python -m course hint 2 (folded on docs/stages/02-multi-tile.md)')
+    raise NotImplementedError('TODO(stage 2) in first_pass_row_max(): Pass 1 over KV tiles 0 .. n_blocks - 1 (a runtime loop), in the order the producer loads them: afterwards row_max[r] is the max of row r over all S_k keys, the same in the 4 threads of a quad. Every K buffer waited for is released, and k_state ends past the last tile: pass 2 continues from it. (page: Why two passes) Hints, one at a time: python -m course hint 2 (docs/stages/02-multi-tile.md as raw markdown shows them all at once)')
     return k_state
 
 
@@ -244,7 +244,7 @@ def second_pass_accumulate(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: 
     #   (accumulated, never overwritten) and row_sum this thread's share of the row sums. Each K
     #   and V buffer is used only once full and released once the WGMMAs that read it have
     #   completed; both states advance one buffer per tile. (page: Why two passes)
-    raise NotImplementedError("TODO(stage 2) in second_pass_accumulate(): Pass 2 over the same tiles, again in the producer's order (K then V of each): afterwards acc_O is the sum over tiles of P V with P against the final row_max (accumulated, never overwritten) and row_sum this thread's share of the row sums. Each K and V buffer is used only once full and released once the WGMMAs that read it have completed; both states advance one buffer per tile. (page: Why two passes) Hints, one at a time: python -m course hint 2 (folded on docs/stages/02-multi-tile.md)")
+    raise NotImplementedError("TODO(stage 2) in second_pass_accumulate(): Pass 2 over the same tiles, again in the producer's order (K then V of each): afterwards acc_O is the sum over tiles of P V with P against the final row_max (accumulated, never overwritten) and row_sum this thread's share of the row sums. Each K and V buffer is used only once full and released once the WGMMAs that read it have completed; both states advance one buffer per tile. (page: Why two passes) Hints, one at a time: python -m course hint 2 (docs/stages/02-multi-tile.md as raw markdown shows them all at once)")
 # --8<-- [end:passes]
 
 

@@ -146,7 +146,7 @@ def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
     #   row r of O are relative to it too: what they held before was relative to the old max.
     #   row_max stays in raw score units (scale_log2 is applied once, inside the exponent);
     #   row_sum holds this thread's columns only. (page: From two passes to one)
-    raise NotImplementedError("TODO(stage 3) in online_softmax(): For each row r: after this tile, row_max[r] is the max over every key seen so far (the same in the 4 threads of the quad), S holds P relative to it, and row_sum[r] and row r of O are relative to it too: what they held before was relative to the old max. row_max stays in raw score units (scale_log2 is applied once, inside the exponent); row_sum holds this thread's columns only. (page: From two passes to one) Hints, one at a time: python -m course hint 3 (folded on docs/stages/03-online-softmax.md)")
+    raise NotImplementedError("TODO(stage 3) in online_softmax(): For each row r: after this tile, row_max[r] is the max over every key seen so far (the same in the 4 threads of the quad), S holds P relative to it, and row_sum[r] and row r of O are relative to it too: what they held before was relative to the old max. row_max stays in raw score units (scale_log2 is applied once, inside the exponent); row_sum holds this thread's columns only. (page: From two passes to one) Hints, one at a time: python -m course hint 3 (docs/stages/03-online-softmax.md as raw markdown shows them all at once)")
 
 
 @cute.jit
@@ -221,7 +221,7 @@ def attend_kv_tiles(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
     #   softmax's. Each K and V buffer is used only once full and released once the WGMMAs that
     #   read it have completed; O may be rescaled, and P's registers reused, only while no P V
     #   WGMMA that reads them is in flight. (page: The loop)
-    raise NotImplementedError("TODO(stage 3) in attend_kv_tiles(): One pass over the KV tiles, in the producer's order: afterwards acc_O is the sum of P V relative to the final row_max (unnormalized) and row_max/row_sum are the online softmax's. Each K and V buffer is used only once full and released once the WGMMAs that read it have completed; O may be rescaled, and P's registers reused, only while no P V WGMMA that reads them is in flight. (page: The loop) Hints, one at a time: python -m course hint 3 (folded on docs/stages/03-online-softmax.md)")
+    raise NotImplementedError("TODO(stage 3) in attend_kv_tiles(): One pass over the KV tiles, in the producer's order: afterwards acc_O is the sum of P V relative to the final row_max (unnormalized) and row_max/row_sum are the online softmax's. Each K and V buffer is used only once full and released once the WGMMAs that read it have completed; O may be rescaled, and P's registers reused, only while no P V WGMMA that reads them is in flight. (page: The loop) Hints, one at a time: python -m course hint 3 (docs/stages/03-online-softmax.md as raw markdown shows them all at once)")
 # --8<-- [end:passes]
 
 

@@ -145,7 +145,7 @@ class WindowMask:
         #   correct but slow; too short drops keys. Both lie in [0, number of KV tiles],
         #   n_block_min <= n_block_max (an empty range is fine), and an unbounded side compiles to
         #   no code. Int32 division truncates toward zero. (page: Skipping tiles: the block range)
-        raise NotImplementedError("TODO(stage 4) in kv_block_range(): n_block_max and n_block_min bound the half-open range of KV tiles that holds every key visible to some row of this Q tile (its rows stop at S_q in the tail tile), from the first row's first visible key to the last row's last. Too long is correct but slow; too short drops keys. Both lie in [0, number of KV tiles], n_block_min <= n_block_max (an empty range is fine), and an unbounded side compiles to no code. Int32 division truncates toward zero. (page: Skipping tiles: the block range) Hints, one at a time: python -m course hint 4 (folded on docs/stages/04-masking.md)")
+        raise NotImplementedError("TODO(stage 4) in kv_block_range(): n_block_max and n_block_min bound the half-open range of KV tiles that holds every key visible to some row of this Q tile (its rows stop at S_q in the tail tile), from the first row's first visible key to the last row's last. Too long is correct but slow; too short drops keys. Both lie in [0, number of KV tiles], n_block_min <= n_block_max (an empty range is fine), and an unbounded side compiles to no code. Int32 division truncates toward zero. (page: Skipping tiles: the block range) Hints, one at a time: python -m course hint 4 (docs/stages/04-masking.md as raw markdown shows them all at once)")
         return n_block_min, n_block_max
     # --8<-- [end:block_range]
 
@@ -169,7 +169,7 @@ class WindowMask:
         #   at or past S_k: the rule of The semantics) becomes -inf; visible scores stay as they
         #   are. coord gives each register's (row, col) inside this Q tile and KV tile, not in the
         #   sequence. An unbounded side compiles to no code. (page: Masking in registers)
-        raise NotImplementedError("TODO(stage 4) in apply(): Every s[r, c] whose key its row may not see (outside the row's window, or at or past S_k: the rule of The semantics) becomes -inf; visible scores stay as they are. coord gives each register's (row, col) inside this Q tile and KV tile, not in the sequence. An unbounded side compiles to no code. (page: Masking in registers) Hints, one at a time: python -m course hint 4 (folded on docs/stages/04-masking.md)")
+        raise NotImplementedError("TODO(stage 4) in apply(): Every s[r, c] whose key its row may not see (outside the row's window, or at or past S_k: the rule of The semantics) becomes -inf; visible scores stay as they are. coord gives each register's (row, col) inside this Q tile and KV tile, not in the sequence. An unbounded side compiles to no code. (page: Masking in registers) Hints, one at a time: python -m course hint 4 (docs/stages/04-masking.md as raw markdown shows them all at once)")
 # --8<-- [end:mask]
 
 

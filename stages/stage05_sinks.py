@@ -167,7 +167,7 @@ class WindowMask:
             #   num_sink_tokens) and lie below n_block_min: the tiles the loop visits before the
             #   window's range. A tile already in the range must not be visited twice.
             #   (page: Sink tokens: visible despite the window)
-            raise NotImplementedError("TODO(stage 5) in sink_block_count(): Set count to the number of KV tiles that hold a sink token (key < num_sink_tokens) and lie below n_block_min: the tiles the loop visits before the window's range. A tile already in the range must not be visited twice. (page: Sink tokens: visible despite the window) Hints, one at a time: python -m course hint 5 (folded on docs/stages/05-sinks.md)")
+            raise NotImplementedError("TODO(stage 5) in sink_block_count(): Set count to the number of KV tiles that hold a sink token (key < num_sink_tokens) and lie below n_block_min: the tiles the loop visits before the window's range. A tile already in the range must not be visited twice. (page: Sink tokens: visible despite the window) Hints, one at a time: python -m course hint 5 (docs/stages/05-sinks.md as raw markdown shows them all at once)")
         return count
 
     @cute.jit
@@ -198,7 +198,7 @@ class WindowMask:
             #   is not a sink token (key < num_sink_tokens): sink tokens ignore the left bound,
             #   never the right one. Both conditions are runtime Booleans, which Python's
             #   and/or/not cannot combine. (page: Sink tokens: visible despite the window)
-            raise NotImplementedError("TODO(stage 5) in outside_left_bound(): outside ends True only for a key that is left of its row's window AND is not a sink token (key < num_sink_tokens): sink tokens ignore the left bound, never the right one. Both conditions are runtime Booleans, which Python's and/or/not cannot combine. (page: Sink tokens: visible despite the window) Hints, one at a time: python -m course hint 5 (folded on docs/stages/05-sinks.md)")
+            raise NotImplementedError("TODO(stage 5) in outside_left_bound(): outside ends True only for a key that is left of its row's window AND is not a sink token (key < num_sink_tokens): sink tokens ignore the left bound, never the right one. Both conditions are runtime Booleans, which Python's and/or/not cannot combine. (page: Sink tokens: visible despite the window) Hints, one at a time: python -m course hint 5 (docs/stages/05-sinks.md as raw markdown shows them all at once)")
         return outside
 
     @cute.jit
@@ -383,7 +383,7 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         #   both to one reference first, so that no exp2 overflows for a sink of -60 or +60. A
         #   row with no visible key gets O = 0, and a -inf sink on such a row must not make
         #   NaN. (page: Sink logits: one more term in the denominator)
-        raise NotImplementedError('TODO(stage 5) in normalize_rows(): Set inv_sum so that O * inv_sum is the softmax with the sink as one more term of the denominator (sink_log2: the sink logit in log2 units). The row sum and O are relative to row_max * scale_log2, the sink term to the sink: bring both to one reference first, so that no exp2 overflows for a sink of -60 or +60. A row with no visible key gets O = 0, and a -inf sink on such a row must not make NaN. (page: Sink logits: one more term in the denominator) Hints, one at a time: python -m course hint 5 (folded on docs/stages/05-sinks.md)')
+        raise NotImplementedError('TODO(stage 5) in normalize_rows(): Set inv_sum so that O * inv_sum is the softmax with the sink as one more term of the denominator (sink_log2: the sink logit in log2 units). The row sum and O are relative to row_max * scale_log2, the sink term to the sink: bring both to one reference first, so that no exp2 overflows for a sink of -60 or +60. A row with no visible key gets O = 0, and a -inf sink on such a row must not make NaN. (page: Sink logits: one more term in the denominator) Hints, one at a time: python -m course hint 5 (docs/stages/05-sinks.md as raw markdown shows them all at once)')
         for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
             o[r, c] *= inv_sum
 # --8<-- [end:normalize]

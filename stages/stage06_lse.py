@@ -388,7 +388,7 @@ def normalize_rows(acc_O: cute.Tensor, row_sum: cute.Tensor, row_max: cute.Tenso
         #   denominator above (what they mean: the docstring). A row with no visible key gets -inf
         #   and a row with only a sink the sink logit, without a special case.
         #   (page: The LSE is already in the kernel)
-        raise NotImplementedError("TODO(stage 6) in normalize_rows(): lse[r] is the row's log-sum-exp in NATURAL-log units, from top and denominator above (what they mean: the docstring). A row with no visible key gets -inf and a row with only a sink the sink logit, without a special case. (page: The LSE is already in the kernel) Hints, one at a time: python -m course hint 6 (folded on docs/stages/06-lse.md)")
+        raise NotImplementedError("TODO(stage 6) in normalize_rows(): lse[r] is the row's log-sum-exp in NATURAL-log units, from top and denominator above (what they mean: the docstring). A row with no visible key gets -inf and a row with only a sink the sink logit, without a special case. (page: The LSE is already in the kernel) Hints, one at a time: python -m course hint 6 (docs/stages/06-lse.md as raw markdown shows them all at once)")
         for c in cutlass.range(cute.size(o, mode=[1]), unroll_full=True):
             o[r, c] *= inv_sum
 
@@ -402,7 +402,7 @@ def store_lse(lse: cute.Tensor, mLSE: cute.Tensor, tScS: cute.Tensor, row0: cutl
     #   below seqlen_q (the tail tile), written by exactly one thread per row: the 4 threads of a
     #   quad all hold the same rows. coord gives each register's row inside the Q tile.
     #   (page: The LSE is already in the kernel)
-    raise NotImplementedError("TODO(stage 6) in store_lse(): mLSE[batch, head, row] gets lse[r] for every row this thread holds that lies below seqlen_q (the tail tile), written by exactly one thread per row: the 4 threads of a quad all hold the same rows. coord gives each register's row inside the Q tile. (page: The LSE is already in the kernel) Hints, one at a time: python -m course hint 6 (folded on docs/stages/06-lse.md)")
+    raise NotImplementedError("TODO(stage 6) in store_lse(): mLSE[batch, head, row] gets lse[r] for every row this thread holds that lies below seqlen_q (the tail tile), written by exactly one thread per row: the 4 threads of a quad all hold the same rows. coord gives each register's row inside the Q tile. (page: The LSE is already in the kernel) Hints, one at a time: python -m course hint 6 (docs/stages/06-lse.md as raw markdown shows them all at once)")
 # --8<-- [end:normalize]
 
 
@@ -679,7 +679,7 @@ def merge_weights(lse_a: cutlass.Float32, lse_b: cutlass.Float32):
     #   in natural-log units like the inputs. No exp may overflow however large the LSEs are; an
     #   empty part (lse -inf) weighs 0; two empty parts give weights 0 and lse -inf, never NaN.
     #   (page: Why LSE)
-    raise NotImplementedError('TODO(stage 6) in merge_weights(): Define e_a, e_b, inv_total and lse for the return below: with its weights, w_a O_a + w_b O_b is attention over the union of the two disjoint key sets, and lse its LSE, in natural-log units like the inputs. No exp may overflow however large the LSEs are; an empty part (lse -inf) weighs 0; two empty parts give weights 0 and lse -inf, never NaN. (page: Why LSE) Hints, one at a time: python -m course hint 6 (folded on docs/stages/06-lse.md)')
+    raise NotImplementedError('TODO(stage 6) in merge_weights(): Define e_a, e_b, inv_total and lse for the return below: with its weights, w_a O_a + w_b O_b is attention over the union of the two disjoint key sets, and lse its LSE, in natural-log units like the inputs. No exp may overflow however large the LSEs are; an empty part (lse -inf) weighs 0; two empty parts give weights 0 and lse -inf, never NaN. (page: Why LSE) Hints, one at a time: python -m course hint 6 (docs/stages/06-lse.md as raw markdown shows them all at once)')
     return e_a * inv_total, e_b * inv_total, lse
 
 

@@ -184,7 +184,7 @@ def online_softmax_update(scores: cute.Tensor, rV: cute.Tensor, row_max: cute.Te
     #   max (the old values were relative to the old max). Scores are already in exp2 units. A
     #   -inf score adds nothing; while every score seen is -inf all stays 0, never NaN.
     #   (page: The online softmax of a key group)
-    raise NotImplementedError("TODO(stage 7) in online_softmax_update(): For each head h, fold the UNROLL new keys into the key group's running state: afterwards row_max[h] is the max of every score seen, and row_sum[h] and acc[h, :] (fp32) are the softmax numerators' sum and V-weighted sum over every key seen, relative to that max (the old values were relative to the old max). Scores are already in exp2 units. A -inf score adds nothing; while every score seen is -inf all stays 0, never NaN. (page: The online softmax of a key group) Hints, one at a time: python -m course hint 7 (folded on docs/stages/07-decode.md)")
+    raise NotImplementedError("TODO(stage 7) in online_softmax_update(): For each head h, fold the UNROLL new keys into the key group's running state: afterwards row_max[h] is the max of every score seen, and row_sum[h] and acc[h, :] (fp32) are the softmax numerators' sum and V-weighted sum over every key seen, relative to that max (the old values were relative to the old max). Scores are already in exp2 units. A -inf score adds nothing; while every score seen is -inf all stays 0, never NaN. (page: The online softmax of a key group) Hints, one at a time: python -m course hint 7 (docs/stages/07-decode.md as raw markdown shows them all at once)")
 # --8<-- [end:softmax]
 
 
@@ -206,7 +206,7 @@ def split_partial(maxes: cute.Tensor, sums: cute.Tensor, accs: cute.Tensor, h: I
     #   sum, and lse, for the return below, the split's LSE in log2 units. A group that saw no key
     #   weighs nothing; a split that saw none gives o = 0 and lse = -inf, never NaN. part holds
     #   one group's 4 columns. (page: From key groups to the split's partial)
-    raise NotImplementedError("TODO(stage 7) in split_partial(): Merge the key groups' states for head h (each relative to its own max) into the split's result: o gets the 4 columns of O that quad selects, normalized by the split's own sum, and lse, for the return below, the split's LSE in log2 units. A group that saw no key weighs nothing; a split that saw none gives o = 0 and lse = -inf, never NaN. part holds one group's 4 columns. (page: From key groups to the split's partial) Hints, one at a time: python -m course hint 7 (folded on docs/stages/07-decode.md)")
+    raise NotImplementedError("TODO(stage 7) in split_partial(): Merge the key groups' states for head h (each relative to its own max) into the split's result: o gets the 4 columns of O that quad selects, normalized by the split's own sum, and lse, for the return below, the split's LSE in log2 units. A group that saw no key weighs nothing; a split that saw none gives o = 0 and lse = -inf, never NaN. part holds one group's 4 columns. (page: From key groups to the split's partial) Hints, one at a time: python -m course hint 7 (docs/stages/07-decode.md as raw markdown shows them all at once)")
     return lse
 # --8<-- [end:partial]
 
@@ -229,12 +229,12 @@ def arrive_and_elect_last(counter: cute.Pointer, num_splits: Int32, s_flag: cute
         #   publishes this CTA's partials (release) and sees every earlier CTA's (acquire), at GPU
         #   scope; s_flag[0] = 1 if this CTA arrived last of num_splits, else 0. Exactly one CTA
         #   per launch sees 1. (page: Memory ordering: barrier, atomic, barrier)
-        raise NotImplementedError("TODO(stage 7) in arrive_and_elect_last(): Thread 0 counts this CTA's split on counter with one atomic that both publishes this CTA's partials (release) and sees every earlier CTA's (acquire), at GPU scope; s_flag[0] = 1 if this CTA arrived last of num_splits, else 0. Exactly one CTA per launch sees 1. (page: Memory ordering: barrier, atomic, barrier) Hints, one at a time: python -m course hint 7 (folded on docs/stages/07-decode.md)")
+        raise NotImplementedError("TODO(stage 7) in arrive_and_elect_last(): Thread 0 counts this CTA's split on counter with one atomic that both publishes this CTA's partials (release) and sees every earlier CTA's (acquire), at GPU scope; s_flag[0] = 1 if this CTA arrived last of num_splits, else 0. Exactly one CTA per launch sees 1. (page: Memory ordering: barrier, atomic, barrier) Hints, one at a time: python -m course hint 7 (docs/stages/07-decode.md as raw markdown shows them all at once)")
         if s_flag[0] == 1:
             # TODO(stage 7): The last CTA puts the counter back to 0, so the next launch and every
             #   CUDA graph replay start from zero. Nobody else touches it in this launch: no
             #   ordering is needed. (page: Memory ordering: barrier, atomic, barrier)
-            raise NotImplementedError('TODO(stage 7) in arrive_and_elect_last(): The last CTA puts the counter back to 0, so the next launch and every CUDA graph replay start from zero. Nobody else touches it in this launch: no ordering is needed. (page: Memory ordering: barrier, atomic, barrier) Hints, one at a time: python -m course hint 7 (folded on docs/stages/07-decode.md)')
+            raise NotImplementedError('TODO(stage 7) in arrive_and_elect_last(): The last CTA puts the counter back to 0, so the next launch and every CUDA graph replay start from zero. Nobody else touches it in this launch: no ordering is needed. (page: Memory ordering: barrier, atomic, barrier) Hints, one at a time: python -m course hint 7 (docs/stages/07-decode.md as raw markdown shows them all at once)')
     cute.arch.sync_threads()  # the flag is in shared memory for everybody
     return s_flag[0]
 # --8<-- [end:arrive]
@@ -255,7 +255,7 @@ def fold_in_split(lse: Float32, part: cute.Tensor, state: cute.Tensor, o: cute.T
     #   their O, both relative to it (the docstring's invariant; the old values were relative to
     #   the old max). A split with lse -inf weighs 0; while every LSE seen is -inf all stays 0,
     #   never NaN. (page: The combine)
-    raise NotImplementedError("TODO(stage 7) in fold_in_split(): Fold one split into the running combine: afterwards state[0] is the max of every LSE folded so far, state[1] the sum of the splits' weights and o the weighted sum of their O, both relative to it (the docstring's invariant; the old values were relative to the old max). A split with lse -inf weighs 0; while every LSE seen is -inf all stays 0, never NaN. (page: The combine) Hints, one at a time: python -m course hint 7 (folded on docs/stages/07-decode.md)")
+    raise NotImplementedError("TODO(stage 7) in fold_in_split(): Fold one split into the running combine: afterwards state[0] is the max of every LSE folded so far, state[1] the sum of the splits' weights and o the weighted sum of their O, both relative to it (the docstring's invariant; the old values were relative to the old max). A split with lse -inf weighs 0; while every LSE seen is -inf all stays 0, never NaN. (page: The combine) Hints, one at a time: python -m course hint 7 (docs/stages/07-decode.md as raw markdown shows them all at once)")
 
 
 @cute.jit
@@ -269,7 +269,7 @@ def finish_combine(state: cute.Tensor, o: cute.Tensor, sink_log2: Float32, has_s
     #   sink logit joins the denominator once, as a term with no value. Then o is the combined O
     #   divided by the total, and lse, for the return below, the row's LSE in log2 units. A total
     #   of 0 (nothing visible, no sink) gives o = 0 and lse = -inf, never NaN. (page: The combine)
-    raise NotImplementedError("TODO(stage 7) in finish_combine(): With a sink (has_sink, decided at compile time: no sink code otherwise) the sink logit joins the denominator once, as a term with no value. Then o is the combined O divided by the total, and lse, for the return below, the row's LSE in log2 units. A total of 0 (nothing visible, no sink) gives o = 0 and lse = -inf, never NaN. (page: The combine) Hints, one at a time: python -m course hint 7 (folded on docs/stages/07-decode.md)")
+    raise NotImplementedError("TODO(stage 7) in finish_combine(): With a sink (has_sink, decided at compile time: no sink code otherwise) the sink logit joins the denominator once, as a term with no value. Then o is the combined O divided by the total, and lse, for the return below, the row's LSE in log2 units. A total of 0 (nothing visible, no sink) gives o = 0 and lse = -inf, never NaN. (page: The combine) Hints, one at a time: python -m course hint 7 (docs/stages/07-decode.md as raw markdown shows them all at once)")
     return lse
 # --8<-- [end:combine]
 

@@ -446,7 +446,7 @@ def pingpong_start(mma_wg: cutlass.Int32):
     # TODO(stage 8): MMA warpgroup 0 takes the first turn: before any warpgroup waits for its turn,
     #   MMA warpgroup 0's scheduler barrier already holds the arrivals that the warpgroup before it
     #   in the turn order would otherwise bring; no other barrier gets any. See 'Step 1: ping-pong'.
-    raise NotImplementedError("TODO(stage 8) in pingpong_start(): MMA warpgroup 0 takes the first turn: before any warpgroup waits for its turn, MMA warpgroup 0's scheduler barrier already holds the arrivals that the warpgroup before it in the turn order would otherwise bring; no other barrier gets any. See 'Step 1: ping-pong'. Hints, one at a time: python -m course hint 8 (folded on docs/stages/08-fa3-prefill.md)")
+    raise NotImplementedError("TODO(stage 8) in pingpong_start(): MMA warpgroup 0 takes the first turn: before any warpgroup waits for its turn, MMA warpgroup 0's scheduler barrier already holds the arrivals that the warpgroup before it in the turn order would otherwise bring; no other barrier gets any. See 'Step 1: ping-pong'. Hints, one at a time: python -m course hint 8 (docs/stages/08-fa3-prefill.md as raw markdown shows them all at once)")
 
 
 @cute.jit
@@ -455,7 +455,7 @@ def pingpong_wait(mma_wg: cutlass.Int32):
     # TODO(stage 8): Returns only when it is this MMA warpgroup's turn: the warpgroup before it in the
     #   turn order has passed the turn (or pingpong_start gave it). Each MMA warpgroup waits on
     #   a scheduler barrier of its own. See 'Step 1: ping-pong'.
-    raise NotImplementedError("TODO(stage 8) in pingpong_wait(): Returns only when it is this MMA warpgroup's turn: the warpgroup before it in the turn order has passed the turn (or pingpong_start gave it). Each MMA warpgroup waits on a scheduler barrier of its own. See 'Step 1: ping-pong'. Hints, one at a time: python -m course hint 8 (folded on docs/stages/08-fa3-prefill.md)")
+    raise NotImplementedError("TODO(stage 8) in pingpong_wait(): Returns only when it is this MMA warpgroup's turn: the warpgroup before it in the turn order has passed the turn (or pingpong_start gave it). Each MMA warpgroup waits on a scheduler barrier of its own. See 'Step 1: ping-pong'. Hints, one at a time: python -m course hint 8 (docs/stages/08-fa3-prefill.md as raw markdown shows them all at once)")
 
 
 @cute.jit
@@ -464,7 +464,7 @@ def pingpong_pass(mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr):
     # TODO(stage 8): The turn goes to the next MMA warpgroup in the turn order (after the last comes
     #   MMA warpgroup 0), and this warpgroup does not wait for anything: its softmax starts at once.
     #   See 'Step 1: ping-pong'.
-    raise NotImplementedError("TODO(stage 8) in pingpong_pass(): The turn goes to the next MMA warpgroup in the turn order (after the last comes MMA warpgroup 0), and this warpgroup does not wait for anything: its softmax starts at once. See 'Step 1: ping-pong'. Hints, one at a time: python -m course hint 8 (folded on docs/stages/08-fa3-prefill.md)")
+    raise NotImplementedError("TODO(stage 8) in pingpong_pass(): The turn goes to the next MMA warpgroup in the turn order (after the last comes MMA warpgroup 0), and this warpgroup does not wait for anything: its softmax starts at once. See 'Step 1: ping-pong'. Hints, one at a time: python -m course hint 8 (docs/stages/08-fa3-prefill.md as raw markdown shows them all at once)")
 # --8<-- [end:pingpong]
 
 
@@ -527,7 +527,7 @@ def overlapped_step(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
     #   the GEMM reading it is complete; P and O are registers a WGMMA in flight still uses, so
     #   they change only after the group that uses them is complete. See 'Step 2: intra-warpgroup
     #   overlap'.
-    raise NotImplementedError("TODO(stage 8) in overlapped_step(): Step j of the overlapped loop: afterwards O = (O + P_{j-1} V_{j-1}) * row_scale, P holds P_j, and row_max and row_sum include tile j (masked steps mask S_j first). Both GEMMs (S_j and P_{j-1} V_{j-1}) are in flight, issued in this warpgroup's ping-pong turn, before the softmax of tile j starts. A K or V buffer goes back to the producer only once the GEMM reading it is complete; P and O are registers a WGMMA in flight still uses, so they change only after the group that uses them is complete. See 'Step 2: intra-warpgroup overlap'. Hints, one at a time: python -m course hint 8 (folded on docs/stages/08-fa3-prefill.md)")
+    raise NotImplementedError("TODO(stage 8) in overlapped_step(): Step j of the overlapped loop: afterwards O = (O + P_{j-1} V_{j-1}) * row_scale, P holds P_j, and row_max and row_sum include tile j (masked steps mask S_j first). Both GEMMs (S_j and P_{j-1} V_{j-1}) are in flight, issued in this warpgroup's ping-pong turn, before the softmax of tile j starts. A K or V buffer goes back to the producer only once the GEMM reading it is complete; P and O are registers a WGMMA in flight still uses, so they change only after the group that uses them is complete. See 'Step 2: intra-warpgroup overlap'. Hints, one at a time: python -m course hint 8 (docs/stages/08-fa3-prefill.md as raw markdown shows them all at once)")
 # --8<-- [end:overlapped_step]
 
 
@@ -759,7 +759,7 @@ class TileScheduler:
             # TODO(stage 8): The largest power of two of (batch, head) pairs, never more pairs than
             #   there are, whose K and V tiles all fit in L2 together (self.l2_kv_blocks says how
             #   many fit; self.kv_blocks is one pair's). At least 1. See 'Step 5: tile scheduling'.
-            raise NotImplementedError("TODO(stage 8) in l2_group(): The largest power of two of (batch, head) pairs, never more pairs than there are, whose K and V tiles all fit in L2 together (self.l2_kv_blocks says how many fit; self.kv_blocks is one pair's). At least 1. See 'Step 5: tile scheduling'. Hints, one at a time: python -m course hint 8 (folded on docs/stages/08-fa3-prefill.md)")
+            raise NotImplementedError("TODO(stage 8) in l2_group(): The largest power of two of (batch, head) pairs, never more pairs than there are, whose K and V tiles all fit in L2 together (self.l2_kv_blocks says how many fit; self.kv_blocks is one pair's). At least 1. See 'Step 5: tile scheduling'. Hints, one at a time: python -m course hint 8 (docs/stages/08-fa3-prefill.md as raw markdown shows them all at once)")
         return group
 
     @cute.jit
@@ -784,7 +784,7 @@ class TileScheduler:
             #   section's tiles are consecutive indices, and inside it all its pairs, in order, at
             #   one Q tile come before any at the next; longest_first walks the Q tiles last to
             #   first. Pairs are numbered batch by batch, heads in order. See 'Step 5: tile scheduling'.
-            raise NotImplementedError("TODO(stage 8) in coords(): Each (Q tile, pair) exactly once over tile = 0 .. num_tiles() - 1. The pairs come in sections of `group` consecutive pairs (the last may hold fewer); a section's tiles are consecutive indices, and inside it all its pairs, in order, at one Q tile come before any at the next; longest_first walks the Q tiles last to first. Pairs are numbered batch by batch, heads in order. See 'Step 5: tile scheduling'. Hints, one at a time: python -m course hint 8 (folded on docs/stages/08-fa3-prefill.md)")
+            raise NotImplementedError("TODO(stage 8) in coords(): Each (Q tile, pair) exactly once over tile = 0 .. num_tiles() - 1. The pairs come in sections of `group` consecutive pairs (the last may hold fewer); a section's tiles are consecutive indices, and inside it all its pairs, in order, at one Q tile come before any at the next; longest_first walks the Q tiles last to first. Pairs are numbered batch by batch, heads in order. See 'Step 5: tile scheduling'. Hints, one at a time: python -m course hint 8 (docs/stages/08-fa3-prefill.md as raw markdown shows them all at once)")
         return m_block, head, batch
 # --8<-- [end:scheduler]
 

@@ -320,7 +320,7 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
     #   it; scores hold the numerators, already added to row_sum. Whether O is rescaled is one
     #   decision of the whole warp, and a row that has seen only -inf gives 0s, never NaN. Page:
     #   "The online softmax on a fragment" and "A lazy max".
-    raise NotImplementedError('TODO(stage 9) in online_softmax_update(): Fold the 16 new keys into the thread\'s two rows (score_row: a value\'s row). Afterwards: the 4 threads of a row (the quad) hold the same row_max; no score seen so far exceeds it by more than RESCALE_THRESHOLD; row_sum and the row\'s O values are relative to it; scores hold the numerators, already added to row_sum. Whether O is rescaled is one decision of the whole warp, and a row that has seen only -inf gives 0s, never NaN. Page: "The online softmax on a fragment" and "A lazy max". Hints, one at a time: python -m course hint 9 (folded on docs/stages/09-tc-decode.md)')
+    raise NotImplementedError('TODO(stage 9) in online_softmax_update(): Fold the 16 new keys into the thread\'s two rows (score_row: a value\'s row). Afterwards: the 4 threads of a row (the quad) hold the same row_max; no score seen so far exceeds it by more than RESCALE_THRESHOLD; row_sum and the row\'s O values are relative to it; scores hold the numerators, already added to row_sum. Whether O is rescaled is one decision of the whole warp, and a row that has seen only -inf gives 0s, never NaN. Page: "The online softmax on a fragment" and "A lazy max". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
 # --8<-- [end:softmax]
 
 
@@ -560,7 +560,7 @@ class TensorCoreDecode:
                     #   the column the docstring assigns it, for key block j: r_k is compact
                     #   (slot i is value i in the MMA's order, whatever a view says). Page:
                     #   "Read what your fragment holds", "Compact fragments".
-                    raise NotImplementedError('TODO(stage 9) in k_fragment(): Store piece[e] in the slot of r_k that the MMA reads as the column the docstring assigns it, for key block j: r_k is compact (slot i is value i in the MMA\'s order, whatever a view says). Page: "Read what your fragment holds", "Compact fragments". Hints, one at a time: python -m course hint 9 (folded on docs/stages/09-tc-decode.md)')
+                    raise NotImplementedError('TODO(stage 9) in k_fragment(): Store piece[e] in the slot of r_k that the MMA reads as the column the docstring assigns it, for key block j: r_k is compact (slot i is value i in the MMA\'s order, whatever a view says). Page: "Read what your fragment holds", "Compact fragments". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
 
     @cute.jit
     def v_fragment(self, sV: cute.Tensor, r_v: cute.Tensor, g: Int32, kq: Int32, first_piece: int):
@@ -586,7 +586,7 @@ class TensorCoreDecode:
                     #   v_slot_key(slot, kq) (P's key in this thread) at the column block the
                     #   docstring assigns it; r_v is compact, as r_k. Page: "V's B fragment:
                     #   two keys per register", "Compact fragments".
-                    raise NotImplementedError('TODO(stage 9) in v_fragment(): Store piece[e] in the slot of r_v that the MMA reads as key v_slot_key(slot, kq) (P\'s key in this thread) at the column block the docstring assigns it; r_v is compact, as r_k. Page: "V\'s B fragment: two keys per register", "Compact fragments". Hints, one at a time: python -m course hint 9 (folded on docs/stages/09-tc-decode.md)')
+                    raise NotImplementedError('TODO(stage 9) in v_fragment(): Store piece[e] in the slot of r_v that the MMA reads as key v_slot_key(slot, kq) (P\'s key in this thread) at the column block the docstring assigns it; r_v is compact, as r_k. Page: "V\'s B fragment: two keys per register", "Compact fragments". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
     # --8<-- [end:to_registers]
 
     # --8<-- [start:combine_partials]
@@ -758,7 +758,7 @@ class TensorCoreDecode:
                     #   the MMA's value order) for row r (head g + 8r) and the very column that
                     #   k_fragment gives the same element of K: any mismatch makes every score
                     #   wrong, and nothing crashes. Page: "The m16n8k16 fragments".
-                    raise NotImplementedError('TODO(stage 9) in kernel(): Store piece[e] in the slot of r_q (A operand, compact, in the MMA\'s value order) for row r (head g + 8r) and the very column that k_fragment gives the same element of K: any mismatch makes every score wrong, and nothing crashes. Page: "The m16n8k16 fragments". Hints, one at a time: python -m course hint 9 (folded on docs/stages/09-tc-decode.md)')
+                    raise NotImplementedError('TODO(stage 9) in kernel(): Store piece[e] in the slot of r_q (A operand, compact, in the MMA\'s value order) for row r (head g + 8r) and the very column that k_fragment gives the same element of K: any mismatch makes every score wrong, and nothing crashes. Page: "The m16n8k16 fragments". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
         # [row tile, lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
         s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
                                cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))

@@ -188,7 +188,7 @@ class VarlenTileScheduler:
         #   each later one where the one before it ends; sequences with no tiles contain nothing.
         #   Past the last sequence: (self.num_batch, anything). All 32 lanes run this together and
         #   must return the same answer; take 32 sequences per step (one per lane), not one.
-        raise NotImplementedError('TODO(stage 10) in locate(): Return the first sequence b >= batch whose tiles [start_b, start_b + tiles_of(b)) contain `tile`, and start_b, where sequence `batch` starts at batch_start and each later one where the one before it ends; sequences with no tiles contain nothing. Past the last sequence: (self.num_batch, anything). All 32 lanes run this together and must return the same answer; take 32 sequences per step (one per lane), not one. Hints, one at a time: python -m course hint 10 (folded on docs/stages/10-varlen-prefill.md)')
+        raise NotImplementedError('TODO(stage 10) in locate(): Return the first sequence b >= batch whose tiles [start_b, start_b + tiles_of(b)) contain `tile`, and start_b, where sequence `batch` starts at batch_start and each later one where the one before it ends; sequences with no tiles contain nothing. Past the last sequence: (self.num_batch, anything). All 32 lanes run this together and must return the same answer; take 32 sequences per step (one per lane), not one. Hints, one at a time: python -m course hint 10 (docs/stages/10-varlen-prefill.md as raw markdown shows them all at once)')
         return cutlass.min(batch, self.num_batch), batch_start
 
     @cute.jit
@@ -219,7 +219,7 @@ def load_paged_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXs
     #   (armed for a whole tile). Key j lives in row j % page_size of page pages[j // page_size].
     #   A copy whose rows all lie at or past seqlen_k must not read the block table (its entries
     #   there may be anything): it reads page num_pages, outside the pool, which TMA fills with zeros.
-    raise NotImplementedError('TODO(stage 10) in load_paged_tile(): Rows [n_block * tile_n, (n_block + 1) * tile_n) of the sequence land in the buffer `state` points at, in order, once it is empty, and complete on its full barrier (armed for a whole tile). Key j lives in row j % page_size of page pages[j // page_size]. A copy whose rows all lie at or past seqlen_k must not read the block table (its entries there may be anything): it reads page num_pages, outside the pool, which TMA fills with zeros. Hints, one at a time: python -m course hint 10 (folded on docs/stages/10-varlen-prefill.md)')
+    raise NotImplementedError('TODO(stage 10) in load_paged_tile(): Rows [n_block * tile_n, (n_block + 1) * tile_n) of the sequence land in the buffer `state` points at, in order, once it is empty, and complete on its full barrier (armed for a whole tile). Key j lives in row j % page_size of page pages[j // page_size]. A copy whose rows all lie at or past seqlen_k must not read the block table (its entries there may be anything): it reads page num_pages, outside the pool, which TMA fills with zeros. Hints, one at a time: python -m course hint 10 (docs/stages/10-varlen-prefill.md as raw markdown shows them all at once)')
 # --8<-- [end:paged_load]
 
 

@@ -142,7 +142,7 @@ class KeyTileMask(WindowMask):
         #   row + offset + right, and a sink token (j < num_sink_tokens) ignores the left bound.
         #   Both ends in [0, number of Q tiles], min <= max; an unbounded side compiles to no code.
         #   (stage 11 page: Which Q tiles see a KV tile)
-        raise NotImplementedError('TODO(stage 11) in m_block_range(): The half-open range of Q tiles holding every query row that sees at least one key of this KV tile: a row sees key j iff j < S_k and row + offset - left <= j <= row + offset + right, and a sink token (j < num_sink_tokens) ignores the left bound. Both ends in [0, number of Q tiles], min <= max; an unbounded side compiles to no code. (stage 11 page: Which Q tiles see a KV tile) Hints, one at a time: python -m course hint 11 (folded on docs/stages/11-backward.md)')
+        raise NotImplementedError('TODO(stage 11) in m_block_range(): The half-open range of Q tiles holding every query row that sees at least one key of this KV tile: a row sees key j iff j < S_k and row + offset - left <= j <= row + offset + right, and a sink token (j < num_sink_tokens) ignores the left bound. Both ends in [0, number of Q tiles], min <= max; an unbounded side compiles to no code. (stage 11 page: Which Q tiles see a KV tile) Hints, one at a time: python -m course hint 11 (docs/stages/11-backward.md as raw markdown shows them all at once)')
         return m_block_min, m_block_max
 
     @cute.jit
@@ -244,7 +244,7 @@ def probabilities_and_score_gradients(acc_St: cute.Tensor, acc_dPt: cute.Tensor,
     #   register of acc_dPt becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and
     #   sD hold the Q tile's rows. The kernel has no registers to spare: a spill fails the check.
     #   (stage 11 page: The gradient of a softmax)
-    raise NotImplementedError("TODO(stage 11) in probabilities_and_score_gradients(): Every register of acc_St becomes P^T = exp2(S^T * scale_log2 - LSE) and every register of acc_dPt becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and sD hold the Q tile's rows. The kernel has no registers to spare: a spill fails the check. (stage 11 page: The gradient of a softmax) Hints, one at a time: python -m course hint 11 (folded on docs/stages/11-backward.md)")
+    raise NotImplementedError("TODO(stage 11) in probabilities_and_score_gradients(): Every register of acc_St becomes P^T = exp2(S^T * scale_log2 - LSE) and every register of acc_dPt becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and sD hold the Q tile's rows. The kernel has no registers to spare: a spill fails the check. (stage 11 page: The gradient of a softmax) Hints, one at a time: python -m course hint 11 (docs/stages/11-backward.md as raw markdown shows them all at once)")
 # --8<-- [end:gradients]
 
 

@@ -1121,6 +1121,17 @@ def _dsl_stand_ins(copy, arch) -> dict:
                                         min=min, max=max, const_expr=lambda x: x, Constexpr=object))
 
 
+def _place(where: tuple) -> str:
+    """A _Tiles name in words: ("global K/V tile", 3) -> "global K/V tile 3", ("pool", 1, 26) -> "page 26, rows
+    piece 1", ("ring buffer", 2, 0) -> "ring buffer 0, rows piece 2"."""
+    name, *index = where
+    if name == "pool":
+        return f"page {index[1]}, rows piece {index[0]}" if len(index) == 2 else str(where)
+    if name == "ring buffer" and len(index) == 2:
+        return f"ring buffer {index[1]}, rows piece {index[0]}"
+    return " ".join([name, *map(str, index)])
+
+
 def _check_producer_log(log: list, state, expected: dict, where: str) -> None:
     """One producer step's log: acquire(state) before any copy, then one copy per expected destination, each
     from the expected source and completing on the state's full barrier. ``expected``: {dst: src or None}
@@ -1137,20 +1148,24 @@ def _check_producer_log(log: list, state, expected: dict, where: str) -> None:
     barrier = ("the full barrier of buffer", state.index, "phase", state.phase)
     seen = {}
     for _, (_, src, dst, bar) in copies:
+        if bar is None:
+            raise AssertionError(f"{where}: the copy into {_place(dst)} has no tma_bar_ptr: it completes on no barrier, "
+                                 f"so the consumers, who wait on the full barrier of buffer {state.index}, wait forever")
         if bar != barrier:
-            raise AssertionError(f"{where}: a copy into {dst} completes on {bar}; expected {barrier} "
+            raise AssertionError(f"{where}: a copy into {_place(dst)} completes on {bar}; expected {barrier} "
                                  "(pipe.producer_get_barrier(state)): the consumers wait on that barrier, and a copy "
                                  "that signals another one leaves them waiting forever, or reading too early")
         if dst in seen:
-            raise AssertionError(f"{where}: two copies write {dst}")
+            raise AssertionError(f"{where}: two copies write {_place(dst)}")
         seen[dst] = src
     if set(seen) != set(expected):
-        raise AssertionError(f"{where}: the copies write {sorted(seen)}; expected {sorted(expected)}: the tile goes "
+        raise AssertionError(f"{where}: the copies write {[_place(d) for d in sorted(seen)]}; expected "
+                             f"{[_place(d) for d in sorted(expected)]}: the tile goes "
                              f"to the buffer {state} points at (state.index), all of it")
     for dst, src in expected.items():
         if src is not None and seen[dst] != src:
-            raise AssertionError(f"{where}: the copy into {dst} reads {seen[dst]}; expected {src}, the rows this "
-                                 "step is asked for")
+            raise AssertionError(f"{where}: the copy into {_place(dst)} reads {_place(seen[dst])}; expected "
+                                 f"{_place(src)}, the rows this step is asked for")
 
 
 def check_load_tile(module) -> None:
@@ -1251,8 +1266,8 @@ def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 1
         past = [dst for dst, src in expected.items() if src is None]
         for _, src, dst, _ in (event for event in logs[0] if event[0] == "copy"):
             if dst in past and src[-1] != num_pages:
-                raise AssertionError(f"{where}: the copy into {dst} holds only keys at or past seqlen_k but reads "
-                                     f"page {src[-1]}; it must read page num_pages = {num_pages}, outside the pool, "
+                raise AssertionError(f"{where}: the copy into {_place(dst)} holds only keys at or past seqlen_k but "
+                                     f"reads page {src[-1]}; it must read page num_pages = {num_pages}, outside the pool, "
                                      "which TMA fills with zeros")
 
 

@@ -140,7 +140,7 @@ class Pipeline:
         self.rec, self.name = rec, name
 
     def consumer_wait(self, state: State):
-        self.rec.add("wait", buffer=Buffer(self.name, state.index))
+        self.rec.add("wait", buffer=Buffer(self.name, state.index), tile=state.count)
 
     def consumer_release(self, state: State):
         self.rec.add("release", buffer=Buffer(self.name, state.index))
@@ -333,10 +333,28 @@ def record_stage2(module, *, n_blocks: int = 3, seqlen_k: int = 300) -> list[Eve
     return rec.events
 
 
-def check_stage2(module):
-    """Stage 2's consumer warpgroup, recorded and replayed."""
-    replay({"the MMA warpgroup": record_stage2(module)}, inspect.getsourcefile(module), scheduler_barriers=set(),
-           priority=["the MMA warpgroup"])
+def check_stage2(module, n_blocks: int = 3):
+    """Stage 2's consumer warpgroup, recorded and replayed; its K and V waits in the producer's order."""
+    events = record_stage2(module, n_blocks=n_blocks)
+    path = inspect.getsourcefile(module)
+    replay({"the MMA warpgroup": events}, path, scheduler_barriers=set(), priority=["the MMA warpgroup"])
+    check_tile_order(events, path, {"K": 2 * n_blocks, "V": n_blocks})
+
+
+def check_tile_order(events: list[Event], path: str, tiles: dict[str, int]) -> None:
+    """The consumer waits for each pipeline's tiles in the order the producer fills them (0, 1, 2, ...: the
+    pipeline state advanced once per tile), ``tiles[pipe]`` of them."""
+    for pipe, count in tiles.items():
+        waits = [event for event in events if event.kind == "wait" and event.args["buffer"].pipe == pipe]
+        order = [event.args["tile"] for event in waits]
+        if order == list(range(count)):
+            continue
+        wrong = next((i for i, tile in enumerate(order) if tile != i), len(order))
+        where = _where(path, waits[wrong].line) if wrong < len(waits) else path
+        raise SyncError(f"{where}: the consumer's waits for {pipe} tiles go {order[:8]}{'...' if len(order) > 8 else ''}"
+                        f", but the producer fills its {count} tiles in the order 0, 1, 2, ...: a pipeline state that "
+                        "is not advanced once per tile (or is advanced twice) waits on a buffer and phase the producer "
+                        "never fills, and the kernel hangs")
 
 
 # ---------------------------------------------------------------- replay in the model

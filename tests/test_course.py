@@ -573,8 +573,8 @@ def test_a_hint_continues_on_indented_comment_lines():
                 "    return 1\n    # [/exercise]\n")
     text = skeleton.skeleton_source(solution, 3, "stages/03-online-softmax.md")
     assert "    # TODO(stage 3): The first line\n    #   and the second.\n    raise NotImplementedError(" in text
-    assert ("in f(): The first line and the second. Hints, one at a time: python -m course hint 3 (folded on "
-            "docs/stages/03-online-softmax.md)") in text
+    assert ("in f(): The first line and the second. Hints, one at a time: python -m course hint 3 "
+            "(docs/stages/03-online-softmax.md as raw markdown shows them all at once)") in text
     assert "a comment of the code" not in text and "return 1" not in text
 
 

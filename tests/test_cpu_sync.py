@@ -43,6 +43,8 @@ STAGE2_BUGS = {
     "no-wait-for-the-gemm": ("tile_scores", [Delete(WAIT)], "may still read it"),
     "v-released-before-p-v-is-done": ("second_pass_accumulate", [MoveBefore(RELEASE_V, WAIT)], "may still read it"),
     "k-used-before-the-tma-landed": ("tile_scores", [Delete(WAIT_K)], "without waiting"),
+    "k-state-not-advanced": ("first_pass_row_max", [Delete("k_state.advance")], "not advanced once per tile"),
+    "v-state-not-advanced": ("second_pass_accumulate", [Delete("v_state.advance")], "not advanced once per tile"),
 }
 
 CHECKS = {8: cpu_sync.check_stage8, 2: cpu_sync.check_stage2}

@@ -301,7 +301,8 @@ def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
     message = error_message(report)
     lines.print(message or "(no message)", markup=False)
     if "Hints" not in message:
-        lines.print(f"Hints, one at a time: python -m course hint {stage.number} (folded on docs/{stage.docs_page})")
+        lines.print(f"Hints, one at a time: python -m course hint {stage.number} (docs/{stage.docs_page} as raw "
+                    "markdown shows them all at once)")
 
 
 def _coverage_line(stage: stages.Stage) -> str:

@@ -111,6 +111,7 @@ def main(number: int, which: str | None = None, level: int = 1) -> int:
         print(f"{exercise.name} has hints 1 to {len(exercise.hints)}; there is no hint {level}.")
         return 1
     title, text = exercise.hints[level - 1]
+    text = re.sub(r"\[([^\]]+)\]\(#[^)]*\)", r"\1 (on the page)", text)  # in-page links mean nothing here
     print(f"{exercise.name}, {title}\n\n{text}\n")
     if level < len(exercise.hints):
         print(f"Still stuck? The next one says more: {command} {index + 1} {level + 1}")

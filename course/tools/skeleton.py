@@ -56,7 +56,7 @@ def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
                 indent = opened["indent"]
                 hint = [opened["hint"], *hint_continuation(lines[number:], indent)]
                 message = (f"TODO(stage {stage}) in {function}(): {' '.join(hint)} Hints, one at a time: "
-                           f"python -m course hint {stage} (folded on docs/{docs_page})")
+                           f"python -m course hint {stage} (docs/{docs_page} as raw markdown shows them all at once)")
                 out.append(f"{indent}# TODO(stage {stage}): {hint[0]}\n")
                 out.extend(f"{indent}{MORE}{more}\n" for more in hint[1:])
                 out.append(f"{indent}raise NotImplementedError({message!r})\n")
