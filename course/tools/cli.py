@@ -214,8 +214,9 @@ lines = Console(soft_wrap=True, highlight=False)
 
 
 class _Collector:
-    """A pytest plugin: the reports of a run, and one progress line per test that compiles (marker ``compiles``),
-    unless ``progress`` is None (with -v pytest reports every test itself)."""
+    """A pytest plugin: the reports of a run, and one progress line per test that runs on this machine's own
+    terms: those that compile (marker ``compiles``) and the CPU checks of the learner's functions (``on_cpu`` in
+    their names); unless ``progress`` is None (with -v pytest reports every test itself)."""
 
     def __init__(self, progress: Console | None):
         self.passed, self.failed, self.skipped = [], [], []
@@ -224,7 +225,8 @@ class _Collector:
 
     def pytest_collection_modifyitems(self, items):
         if self.progress is not None:
-            self.compiling = {item.nodeid for item in items if item.get_closest_marker("compiles")}
+            self.compiling = {item.nodeid for item in items
+                              if item.get_closest_marker("compiles") or "on_cpu" in item.name}
 
     def pytest_runtest_logstart(self, nodeid, location):
         if nodeid in self.compiling:  # outside the test's own output capture: this reaches the terminal
