@@ -86,8 +86,9 @@ def test_cross_compiles_for_sm90a(stage, config):
         assert report.spill_bytes == 0, (
             f"{report.name} spills {report.spill_bytes} bytes of registers to local memory. The kernel runs at its "
             "register limit: a TODO that keeps more values live than it needs (a value read per element where one "
-            "per row or column does, a branch per element, a slow-path function) spills. If the test_on_cpu_* "
-            "checks pass, the numbers are right and this is the cost: see the stage page's exercise.")
+            "per row or column does, a branch per element, a slow-path function, a loop unrolled at trace time "
+            "(range_constexpr) where a runtime loop does) spills. If the test_on_cpu_* checks pass, the numbers are "
+            f"right and this is the cost: see the stage page's exercise and `python -m course hint {stage.STAGE}`.")
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
