@@ -356,7 +356,7 @@ class AttentionBackward:
 
     def __init__(self, config, deterministic: bool = False):
         self.config = config
-        self.deterministic = deterministic  # dQ's shares added in a fixed order (KeyTileMask.kv_tiles_before)
+        self.deterministic = deterministic  # dQ's shares added in a fixed order (KeyTileMask.dq_turn)
         self.dtype = config.cute_dtype
         self.head_dim = config.head_dim
         self.mma_threads = 128 * MMA_WGS

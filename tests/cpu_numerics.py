@@ -1094,23 +1094,16 @@ class _Tiles:
         return (self.name, *(int(k) for k in (key if isinstance(key, tuple) else (key,)) if k is not None))
 
 
-def plain_python_function(module, name: str, namespace: dict):
-    """Module-level function ``name`` of ``module`` as plain Python (decorators dropped, annotations left
-    unevaluated) over ``namespace``, made afresh from the source as ``plain_python_method`` does."""
-    import __future__
-    import ast
-
-    source = Path(module.__file__).read_text()
-    function = next(node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == name)
-    function.decorator_list = []
-    code = compile(ast.Module(body=[ast.fix_missing_locations(function)], type_ignores=[]), module.__file__, "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
-    exec(code, namespace)
-    return namespace[name]
-
-
 def _python_range(*bounds, **_):
     return range(*(int(b) for b in bounds))
+
+
+def _as_python(module, name: str, stand_ins: dict):
+    """Module-level function ``name`` as plain Python over ``stand_ins`` (tests/cpu_sync.py's ``as_python``,
+    imported here: notebooks load this file alone, by path)."""
+    from cpu_sync import as_python
+
+    return as_python(module, (name,), stand_ins)[name]
 
 
 def _dsl_stand_ins(copy, arch) -> dict:
@@ -1174,7 +1167,7 @@ def check_load_tile(module) -> None:
     that state's buffer, completing on that buffer's full barrier."""
     log: list = []
     copy = lambda _atom, src, dst, tma_bar_ptr=None: log.append(("copy", src, dst, tma_bar_ptr))  # noqa: E731
-    load_tile = plain_python_function(module, "load_tile", {**vars(module), **_dsl_stand_ins(copy, None)})
+    load_tile = _as_python(module, "load_tile", _dsl_stand_ins(copy, None))
     for count, n_block in enumerate((3, 0, 5, 1, 4)):
         state = _Ring(count)
         log.clear()
@@ -1223,8 +1216,7 @@ def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 1
 
     arch = SimpleNamespace(lane_idx=lambda: lane_of.lane, shuffle_sync=shuffle_sync)
     copy = lambda _atom, src, dst, tma_bar_ptr=None: logs[lane_of.lane].append(("copy", src, dst, tma_bar_ptr))  # noqa: E731
-    namespace = {**vars(module), **_dsl_stand_ins(copy, arch)}
-    load_paged_tile = plain_python_function(module, "load_paged_tile", namespace)
+    load_paged_tile = _as_python(module, "load_paged_tile", _dsl_stand_ins(copy, arch))
     def lane(number, state, n_block, where):
         lane_of.lane = number
         try:

@@ -146,7 +146,7 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     no_turns = torch.zeros((1, 1, 1), device=device, dtype=torch.int32)  # read only in deterministic mode
     # Deterministic and unmasked: each KV tile starts at its own Q tile (KeyTileMask.q_tile), which makes tiles
     # wait on tiles launched after them; safe only while all KV tiles of a head fit on the GPU at once.
-    rotate = int(deterministic and left < 0 and right < 0
+    rotate = int(deterministic and not (config.has_left or config.has_right)
                  and -(-shape.seqlen_k // KV_TILE) <= torch.cuda.get_device_properties(device).multi_processor_count)
 
     def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):

@@ -457,10 +457,11 @@ def sdpa_backward(backend):
     return prepare
 
 
-def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA cuDNN", "FA4")) -> dict:
-    """{name: (stage or None, fn())}: stage 11's backward (default and deterministic) and the ``baselines``
-    (SDPA's flash and cuDNN backward, FA4's), each after its own forward on the same random inputs (only the
-    backward is timed)."""
+def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA cuDNN", "FA4"),
+                   deterministic: bool = True) -> dict:
+    """{name: (stage or None, fn())}: stage 11's backward (and with ``deterministic`` its deterministic mode) and
+    the ``baselines`` (SDPA's flash and cuDNN backward, FA4's), each after its own forward on the same random
+    inputs (only the backward is timed)."""
     import torch
     from torch.nn.attention import SDPBackend
 
@@ -470,9 +471,10 @@ def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA c
                                  shape.head_dim, getattr(torch, shape.dtype))
     do = torch.randn_like(q)
     out, lse = module.attention(q, k, v, causal=shape.causal, return_lse=True)
+    modes = (("", False), (" deterministic", True)) if deterministic else (("", False),)
     calls = {f"stage {module.STAGE}{suffix}": (module.STAGE, partial(module.attention_backward, do, q, k, v, out, lse,
-                                                                    causal=shape.causal, deterministic=deterministic))
-             for suffix, deterministic in (("", False), (" deterministic", True))}
+                                                                    causal=shape.causal, deterministic=mode))
+             for suffix, mode in modes}
     preparers = {"SDPA flash": lambda: sdpa_backward(SDPBackend.FLASH_ATTENTION),
                  "SDPA cuDNN": lambda: sdpa_backward(SDPBackend.CUDNN_ATTENTION), "FA4": fa4_backward}
     for name in baselines:

@@ -34,6 +34,11 @@ CLOSE = re.compile(r"^\s*# \[/exercise\]\s*$")
 DEF = re.compile(r"^\s*def (\w+)\(")
 
 
+def hints_pointer(stage: int, docs_page: str) -> str:
+    """Where a learner gets a stage's hints, as the TODO messages and ``course check`` say it."""
+    return f"Hints, one at a time: python -m course hint {stage} (docs/{docs_page} as raw markdown shows them all at once)"
+
+
 def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
     """The skeleton text for ``stage`` made from a solution's text.
 
@@ -55,8 +60,7 @@ def skeleton_source(solution: str, stage: int, docs_page: str) -> str:
             if cut and not inside_cut:
                 indent = opened["indent"]
                 hint = [opened["hint"], *hint_continuation(lines[number:], indent)]
-                message = (f"TODO(stage {stage}) in {function}(): {' '.join(hint)} Hints, one at a time: "
-                           f"python -m course hint {stage} (docs/{docs_page} as raw markdown shows them all at once)")
+                message = f"TODO(stage {stage}) in {function}(): {' '.join(hint)} {hints_pointer(stage, docs_page)}"
                 out.append(f"{indent}# TODO(stage {stage}): {hint[0]}\n")
                 out.extend(f"{indent}{MORE}{more}\n" for more in hint[1:])
                 out.append(f"{indent}raise NotImplementedError({message!r})\n")
