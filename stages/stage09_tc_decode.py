@@ -95,7 +95,10 @@ STAGE = 9
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask;
 # one paged kernel takes them all (the page size is a runtime extent of the cache)
-CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
+CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "int8")
+QUANTIZED = ("float8_e4m3fn", "int8")  # caches that hold K / k_scale and V / v_scale
+# RoPE: none, pairs (i, i + rotary_dim / 2) as GPT-NeoX, Llama and GPT-OSS rotate, or (2i, 2i + 1) as GPT-J.
+ROTARY = ("", "halves", "interleaved")
 ROWS = 16  # query heads of one row tile: the M of mma.sync.m16n8k16
 ROW_TILES = (1, 2, 4)  # row tiles per CTA (row_tiles()): the compiled variants
 WARPS = (4, 8)  # warps per CTA (pick_warps()): the compiled variants
@@ -130,15 +133,15 @@ RESCALE_THRESHOLD = 8.0
 # token strides (lane_copies): token strides from 2**27 elements on are rejected before launch.
 MAX_TOKEN_STRIDE = 2**27
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 252, (256, 2): 252, (64, 1): 166, (128, 1): 226, (256, 1): 228}
+REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 255, (256, 2): 255, (64, 1): 166, (128, 1): 241, (256, 1): 254}
 
 
 def cache_bytes(cache_dtype: str) -> int:
-    return 1 if cache_dtype == "float8_e4m3fn" else 2
+    return 1 if cache_dtype in QUANTIZED else 2
 
 
 def k_piece(cache_dtype: str) -> int:
-    """Elements of one 16-byte piece of a K row: 8 (fp16, bf16) or 16 (fp8)."""
+    """Elements of one 16-byte piece of a K row: 8 (fp16, bf16) or 16 (fp8, int8)."""
     return 16 // cache_bytes(cache_dtype)
 
 
@@ -325,6 +328,75 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
 
 
 
+# --8<-- [start:serving]
+# What a serving step does around the attention, in the same launch: the new token's RoPE and its
+# append to the cache, ALiBi biases, a rolling cache. Each compiles out when unused.
+ROTARY_CHUNK = 8  # columns rotated at a time: 16 bytes of q or k_new
+
+
+@cute.jit
+def rotated_columns(row: cute.Tensor, cos_row: cute.Tensor, sin_row: cute.Tensor, start: Int32, rotary_dim: Int32,
+                    interleaved: cutlass.Constexpr, out: cute.Tensor):
+    """Columns start .. start + 7 of ``row`` [D] after RoPE, in float32 (``out`` [8]).
+
+    cos_row, sin_row [rotary_dim / 2] hold the token position's angles. Pairs
+    (i, i + rotary_dim / 2), or (2i, 2i + 1) when ``interleaved``, rotate by
+    angle i: (a, b) -> (a cos - b sin, b cos + a sin); columns from rotary_dim
+    on pass through. Both products are exact in float32 (16-bit factors), so
+    the one rounding of their sum is PyTorch's, bit for bit. ``start`` is a
+    multiple of 8 and rotary_dim of 16, so the 8 columns are all rotated or
+    all not, and in one half.
+    """
+    half = rotary_dim // 2
+    x = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
+    cute.autovec_copy(cute.local_tile(row, (ROTARY_CHUNK,), (start // ROTARY_CHUNK,)), x)
+    rotates = start < rotary_dim
+    if cutlass.const_expr(interleaved):
+        angles = ROTARY_CHUNK // 2  # pair e // 2 of the chunk has angle start / 2 + e // 2
+        at = cutlass.min(start // 2, half - angles) // angles
+        c = cute.make_rmem_tensor((angles,), row.element_type)
+        s = cute.make_rmem_tensor((angles,), row.element_type)
+        cute.autovec_copy(cute.local_tile(cos_row, (angles,), (at,)), c)
+        cute.autovec_copy(cute.local_tile(sin_row, (angles,), (at,)), s)
+        for e in cutlass.range_constexpr(ROTARY_CHUNK):
+            sign = -1.0 if e % 2 == 0 else 1.0
+            turned = Float32(x[e]) * Float32(c[e // 2]) + sign * (Float32(x[e ^ 1]) * Float32(s[e // 2]))
+            out[e] = Float32(cutlass.select_(rotates, turned, Float32(x[e])))
+    else:
+        first_half = start < half
+        partner = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
+        c = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
+        s = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
+        partner_start = cutlass.select_(first_half, start + half, start - half)  # in the row: start < D + half
+        angle_start = cutlass.min(cutlass.select_(first_half, start, start - half), half - ROTARY_CHUNK)
+        cute.autovec_copy(cute.local_tile(row, (ROTARY_CHUNK,), (partner_start // ROTARY_CHUNK,)), partner)
+        cute.autovec_copy(cute.local_tile(cos_row, (ROTARY_CHUNK,), (angle_start // ROTARY_CHUNK,)), c)
+        cute.autovec_copy(cute.local_tile(sin_row, (ROTARY_CHUNK,), (angle_start // ROTARY_CHUNK,)), s)
+        sign = Float32(cutlass.select_(first_half, Float32(-1.0), Float32(1.0)))
+        for e in cutlass.range_constexpr(ROTARY_CHUNK):
+            turned = Float32(x[e]) * Float32(c[e]) + sign * (Float32(partner[e]) * Float32(s[e]))
+            out[e] = Float32(cutlass.select_(rotates, turned, Float32(x[e])))
+
+
+@cute.jit
+def quantize_value(x: Float32, scale: Float32, cache_dtype: cutlass.Constexpr) -> Float32:
+    """x / scale as the cache stores it, as a float32: rounded to e4m3 (to nearest even, clamped to +-448) or
+    to an int8 (to nearest even, clamped to +-127). ``kv_cache.quantize_rows`` on the host is the same rule."""
+    y = x / scale  # IEEE division, as PyTorch's
+    if cutlass.const_expr(cache_dtype == "int8"):
+        return cutlass.max(cutlass.min(cute.math.roundeven(y), Float32(127.0)), Float32(-127.0))
+    return cutlass.max(cutlass.min(y, Float32(448.0)), Float32(-448.0))  # the e4m3 rounding is the store's
+
+
+@cute.jit
+def rolling_slot(position: Int32, num_sink_tokens: Int32, capacity: Int32) -> Int32:
+    """The cache row of token ``position`` in a rolling cache of ``capacity`` rows: the sink tokens keep
+    rows 0 .. num_sink_tokens - 1, every later token cycles through the rest."""
+    ring = capacity - num_sink_tokens
+    return Int32(cutlass.select_(position < num_sink_tokens, position,
+                                 num_sink_tokens + (position - num_sink_tokens) % ring))
+# --8<-- [end:serving]
+
 
 class TensorCoreDecode:
     """Grid (num_splits x head chunks, H_kv, B); one CTA = one split of one KV head's keys, for up to
@@ -334,9 +406,16 @@ class TensorCoreDecode:
         self.q_dtype = config.cute_dtype
         self.cache_dtype = cute_dtype(_torch_dtype(config.cache_dtype))
         self.cache_name = config.cache_dtype  # what the host-side sizes (work_bytes, ctas_per_sm) take
-        self.fp8 = config.cache_dtype == "float8_e4m3fn"
-        # The MMA's operand type: the query's, or fp16 for an fp8 cache (e4m3 -> f16 is exact).
-        self.mma_dtype = Float16 if self.fp8 else self.q_dtype
+        self.quantized = config.cache_dtype in QUANTIZED
+        # The MMA's operand type: the query's, or fp16 for an fp8 or int8 cache (e4m3 -> f16 and s8 -> f16
+        # are exact).
+        self.mma_dtype = Float16 if self.quantized else self.q_dtype
+        # The serving extras (compiled out when unused): the new token appended (and rotated), ALiBi,
+        # a rolling cache.
+        self.appends = config.appends
+        self.rotary = config.rotary
+        self.alibi = config.alibi
+        self.rolling = config.rolling
         self.head_dim = config.head_dim
         self.paged = config.paged
         self.has_sink = config.has_sink
@@ -379,10 +458,16 @@ class TensorCoreDecode:
         mPartO: cute.Tensor,       # [B, H_q, workspace_slots(num_splits), D] float32 workspace
         mPartLSE: cute.Tensor,     # [B, H_q, workspace_slots(num_splits)] float32 workspace
         mCounters: cute.Tensor,    # [>= counters_needed(...)] int32, zero between launches
+        mKNew: cute.Tensor,        # [B, H_kv, D] the new token's K, V (unused without appends)
+        mVNew: cute.Tensor,
+        mCos: cute.Tensor,         # [positions, rotary_dim / 2] (unused without rotary)
+        mSin: cute.Tensor,
+        mAlibi: cute.Tensor,       # [H_q] float32 slopes (unused without alibi)
         scale_log2: Float32,
         window_left: Int32,
         num_sink_tokens: Int32,
         num_splits: Int32,
+        cache_capacity: Int32,     # a rolling cache's rows (unused without rolling)
         stream,
     ):
         work_words = work_bytes(self.head_dim, self.cache_name, self.num_warps) // 4
@@ -405,15 +490,24 @@ class TensorCoreDecode:
         # --8<-- [end:grid]
         self.kernel(
             mQ, mK, mV, mSeqlens, mBlockTable, mSink, mKScale, mVScale, mO, mLSE, mPartO, mPartLSE, mCounters,
-            scale_log2, window_left, num_sink_tokens,
+            mKNew, mVNew, mCos, mSin, mAlibi, scale_log2, window_left, num_sink_tokens, cache_capacity,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=ctas_per_sm(self.head_dim, self.cache_name, self.row_tiles, self.num_warps),
                  preferred_smem_carveout=100)
 
     # --8<-- [start:key_row]
     @cute.jit
+    def key_row(self, v: Int32, v_end: Int32, n_sink: Int32, lo: Int32, ring: tuple) -> Int32:
+        """The cache row of visible key ``v`` (past the split's end, of its last key): the token's position,
+        or its slot in a rolling cache (``ring`` = (num_sink_tokens, cache_capacity))."""
+        row = cache_row(v, v_end, n_sink, lo)
+        if cutlass.const_expr(self.rolling):
+            row = rolling_slot(row, ring[0], ring[1])
+        return row
+
+    @cute.jit
     def lookup_page(self, mBlockTable: cute.Tensor, page_shift: Int32, batch: Int32, first: Int32, v_end: Int32,
-                    n_sink: Int32, lo: Int32, lane: Int32) -> Int32:
+                    n_sink: Int32, lo: Int32, ring: tuple, lane: Int32) -> Int32:
         """Paged cache: the pool page of row lane % 16 of the warp's 16 keys from visible key ``first``
         (one block-table load per lane; ``issue_loads`` shuffles each row's page to the lanes that copy it).
 
@@ -423,7 +517,7 @@ class TensorCoreDecode:
         """
         page = Int32(0)
         if cutlass.const_expr(self.paged):
-            row = cache_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo)
+            row = self.key_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo, ring)
             page = mBlockTable[batch, row >> page_shift]  # row // page_size
         return page
 
@@ -440,7 +534,8 @@ class TensorCoreDecode:
     @cute.jit
     def rows_in_a_line(self, first: Int32, v_end: Int32, row_first: Int32, row_last: Int32, page_size: Int32):
         """Whether the warp's 16 keys from visible key ``first`` are 16 consecutive cache rows (of one
-        page): none past the split's end, none across the edge between the sink keys and the window."""
+        page): none past the split's end, none across the edge between the sink keys and the window
+        (nor the end of a rolling cache's ring)."""
         line = (first + KEYS_PER_WARP <= v_end) & (row_last - row_first == KEYS_PER_WARP - 1)
         if cutlass.const_expr(self.paged):
             line = line & ((row_first ^ row_last) < page_size)  # the same page: only bits below page_size differ
@@ -451,7 +546,7 @@ class TensorCoreDecode:
     @cute.jit
     def issue_loads(self, sK: cute.Tensor, sV: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                     page: Int32, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
-                    n_sink: Int32, lo: Int32, lane: Int32):
+                    n_sink: Int32, lo: Int32, ring: tuple, lane: Int32):
         """Start the cp.async copies of the warp's 16 keys from visible key ``first`` into its tiles
         ``sK``, ``sV`` [16 rows, chunks, 16 bytes] of one ring stage.
 
@@ -464,8 +559,8 @@ class TensorCoreDecode:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
                                    num_bits_per_copy=128)
         chunk = lane % self.chunks
-        row_first = cache_row(first, v_end, n_sink, lo)
-        row_last = cache_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo)
+        row_first = self.key_row(first, v_end, n_sink, lo, ring)
+        row_last = self.key_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo, ring)
         # A runtime loop of at most 8 unrolled copies: D = 256's 16 unrolled row addresses took
         # ptxas past its 255 registers (a 24-byte spill in the main loop).
         if self.rows_in_a_line(first, v_end, row_first, row_last, mK.shape[1]):
@@ -482,7 +577,7 @@ class TensorCoreDecode:
             # sinks' edge or a page boundary: a row, and a page, per copy.
             for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
                 tile_row = i * self.rows_per_copy + lane // self.chunks
-                row = cache_row(first + tile_row, v_end, n_sink, lo)
+                row = self.key_row(first + tile_row, v_end, n_sink, lo, ring)
                 # Paged: row r's page is in lane r (lookup_page).
                 page_or_batch = batch if cutlass.const_expr(not self.paged) else cute.arch.shuffle_sync(page, tile_row)
                 self.copy_pieces(atom, self.row_piece(self.kv_rows(mK, page_or_batch, row, head_kv), 0, chunk),
@@ -525,13 +620,132 @@ class TensorCoreDecode:
             cute.arch.barrier(barrier_id=1 + key_group, number_of_threads=32 * self.row_tiles)
     # --8<-- [end:ring_barrier]
 
+    # --8<-- [start:new_token]
+    @cute.jit
+    def angles(self, mCos: cute.Tensor, mSin: cute.Tensor, position: Int32):
+        """The rows of rotary_cos and rotary_sin for the new token's position (the last row past the table:
+        the host checks positions only when asked)."""
+        at = cutlass.min(position, mCos.shape[0] - 1)
+        return mCos[at, None], mSin[at, None]
+
+    @cute.jit
+    def rotated_piece(self, row: cute.Tensor, angles: tuple, chunk: Int32) -> cute.Tensor:
+        """Piece ``chunk`` (k_elems columns) of a q or k_new row, rotated by ``angles`` (the position's cos and
+        sin rows, with rotary) and rounded to the row's 16-bit type, as the reference's rotary() rounds it."""
+        piece = cute.make_rmem_tensor((self.k_elems,), row.element_type)
+        if cutlass.const_expr(not self.rotary):
+            cute.autovec_copy(cute.local_tile(row, (self.k_elems,), (chunk,)), piece)
+        else:
+            cos_row, sin_row = angles
+            turned = cute.make_rmem_tensor((ROTARY_CHUNK,), Float32)
+            for sub in cutlass.range_constexpr(self.k_elems // ROTARY_CHUNK):
+                rotated_columns(row, cos_row, sin_row, chunk * self.k_elems + sub * ROTARY_CHUNK,
+                                2 * cos_row.shape[0], self.rotary == "interleaved", turned)
+                cute.local_tile(piece, (ROTARY_CHUNK,), (sub,)).store(turned.load().to(row.element_type))
+        return piece
+
+    @cute.jit
+    def q_piece(self, q_row: cute.Tensor, angles: tuple, chunk: Int32) -> cute.Tensor:
+        """Piece ``chunk`` of a query row in the MMA's type (rotated with rotary)."""
+        piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
+        piece.store(self.rotated_piece(q_row, angles, chunk).load().to(self.mma_dtype))
+        return piece
+
+    @cute.jit
+    def as_stored(self, values: cute.Tensor, scale: Float32) -> cute.Tensor:
+        """16-bit values of a new K or V row as the cache stores them: themselves, or quantized with the
+        KV head's scale (``quantize_value``)."""
+        stored = cute.make_rmem_tensor((cute.size(values),), self.cache_dtype)
+        if cutlass.const_expr(not self.quantized):
+            stored.store(values.load())
+        else:
+            scaled = cute.make_rmem_tensor((cute.size(values),), Float32)
+            for e in cutlass.range_constexpr(cute.size(values)):
+                scaled[e] = quantize_value(Float32(values[e]), scale, self.cache_name)
+            stored.store(scaled.load().to(self.cache_dtype))
+        return stored
+
+    @cute.jit
+    def new_token_k(self, mKNew: cute.Tensor, angles: tuple, batch: Int32, head_kv: Int32, chunk: Int32,
+                    k_scale: Float32) -> cute.Tensor:
+        """Piece ``chunk`` (k_elems columns) of the new token's K, rotated and as the cache stores it."""
+        piece = self.rotated_piece(mKNew[batch, head_kv, None], angles, chunk)
+        return self.as_stored(piece, k_scale)
+
+    @cute.jit
+    def new_token_score(self, mKNew: cute.Tensor, angles: tuple, batch: Int32, head_kv: Int32, kq: Int32,
+                        k_scale: Float32, q_pieces: cute.Tensor, new_score: cute.Tensor):
+        """Add this thread's part of q . k_new for its two rows to ``new_score``: over the K columns it holds
+        (pieces 4p + kq), with Q's fragment values for them from ``q_pieces`` [D / 16, 8] (r_q, or its copy
+        in shared memory at D = 256, where the registers are short). The quad adds its four parts."""
+        for p in cutlass.range_constexpr(self.k_pieces):
+            k_new = self.new_token_k(mKNew, angles, batch, head_kv, 4 * p + kq, k_scale)
+            for c in cutlass.range_constexpr(self.k_elems // 4):  # r_q's 8-value slot per 4 columns
+                q8 = cute.make_rmem_tensor((8,), self.mma_dtype)
+                cute.autovec_copy(q_pieces[p * (self.k_elems // 4) + c, None], q8)
+                for e in cutlass.range_constexpr(4):  # column 4c + e of the piece: values (e % 2, row, e // 2)
+                    for r in cutlass.range_constexpr(2):
+                        new_score[r] = new_score[r] + Float32(q8[e % 2 + 2 * r + 4 * (e // 2)]) * Float32(k_new[4 * c + e])
+
+    @cute.jit
+    def new_token_v(self, mVNew: cute.Tensor, batch: Int32, head_kv: Int32, n: Int32, piece: int,
+                    v_scale: Float32) -> cute.Tensor:
+        """Columns (8 piece + n) v_elems .. + v_elems of the new token's V, as the cache stores them: the
+        thread's O columns n = 2kq, 2kq + 1 of piece ``piece`` (o_column)."""
+        values = cute.make_rmem_tensor((self.v_elems,), self.q_dtype)
+        cute.autovec_copy(cute.local_tile(mVNew[batch, head_kv, None], (self.v_elems,), (8 * piece + n,)), values)
+        return self.as_stored(values, v_scale)
+
+    @cute.jit
+    def start_with_new_token(self, mVNew: cute.Tensor, batch: Int32, head_kv: Int32, kq: Int32, v_scale: Float32,
+                             new_score: cute.Tensor, score_scale: Float32, row_max: cute.Tensor,
+                             row_sum: cute.Tensor, acc_o: cute.Tensor):
+        """The warp's softmax state after one key, the new token: max = its score, sum = 1 (counted once per
+        row, by the quad's first thread), O = its V row. ``new_score``: this thread's part of q . k_new."""
+        for r in cutlass.range_constexpr(2):
+            row_max[r] = cute.arch.warp_reduction_sum(new_score[r], threads_in_group=4) * score_scale
+            row_sum[r] = Float32(cutlass.select_(kq == 0, Float32(1.0), Float32(0.0)))
+        for c in cutlass.range_constexpr(2):
+            for piece in cutlass.range_constexpr(self.head_dim // 8 // self.v_elems):
+                stored = self.new_token_v(mVNew, batch, head_kv, 2 * kq + c, piece, v_scale)
+                for e in cutlass.range_constexpr(self.v_elems):
+                    for r in cutlass.range_constexpr(2):
+                        acc_o[(c, r), 0, piece * self.v_elems + e] = Float32(stored[e])
+
+    @cute.jit
+    def write_new_token(self, mK: cute.Tensor, mV: cute.Tensor, mKNew: cute.Tensor, mVNew: cute.Tensor,
+                        mCos: cute.Tensor, mSin: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32,
+                        position: Int32, ring: tuple, kq: Int32, k_scale: Float32, v_scale: Float32):
+        """Write the new token's K and V rows at ``position`` (its slot in a rolling cache), from the 4 threads
+        of one quad, which cover every column of K (pieces 4p + kq) and of V (o_column). One CTA per
+        (sequence, KV head) does it, and no CTA of the launch reads that row from the cache: each folds
+        the new token in from k_new and v_new (start_with_new_token), and the keys it reads end before it."""
+        row = position
+        if cutlass.const_expr(self.rolling):
+            row = rolling_slot(position, ring[0], ring[1])
+        page_or_batch = batch
+        if cutlass.const_expr(self.paged):
+            page_shift = cute.arch.log2_of_pow2_int(Int32(mK.shape[1]))
+            page_or_batch = mBlockTable[batch, row >> page_shift]
+        k_row = self.kv_rows(mK, page_or_batch, row, head_kv)[0, None]
+        v_row = self.kv_rows(mV, page_or_batch, row, head_kv)[0, None]
+        for p in cutlass.range_constexpr(self.k_pieces):
+            stored = self.new_token_k(mKNew, self.angles(mCos, mSin, position), batch, head_kv, 4 * p + kq, k_scale)
+            cute.autovec_copy(stored, cute.local_tile(k_row, (self.k_elems,), (4 * p + kq,)))
+        for c in cutlass.range_constexpr(2):
+            for piece in cutlass.range_constexpr(self.head_dim // 8 // self.v_elems):
+                n = 2 * kq + c
+                stored = self.new_token_v(mVNew, batch, head_kv, n, piece, v_scale)
+                cute.autovec_copy(stored, cute.local_tile(v_row, (self.v_elems,), (8 * piece + n,)))
+    # --8<-- [end:new_token]
+
     # --8<-- [start:to_registers]
     @cute.jit
     def piece_to_registers(self, piece: cute.Tensor) -> cute.Tensor:
         """One of this thread's ring pieces in registers, in the MMA's type: e4m3 -> fp16 on the way (exact)."""
         raw = cute.make_rmem_tensor((cute.size(piece),), self.cache_dtype)
         cute.autovec_copy(piece, raw)
-        if cutlass.const_expr(not self.fp8):
+        if cutlass.const_expr(not self.quantized):
             return raw
         converted = cute.make_rmem_tensor((cute.size(piece),), self.mma_dtype)
         converted.store(raw.load().to(self.mma_dtype))
@@ -694,9 +908,15 @@ class TensorCoreDecode:
         mPartO: cute.Tensor,
         mPartLSE: cute.Tensor,
         mCounters: cute.Tensor,
+        mKNew: cute.Tensor,
+        mVNew: cute.Tensor,
+        mCos: cute.Tensor,
+        mSin: cute.Tensor,
+        mAlibi: cute.Tensor,
         scale_log2: Float32,
         window_left: Int32,
         num_sink_tokens: Int32,
+        cache_capacity: Int32,
     ):
         d = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -741,28 +961,64 @@ class TensorCoreDecode:
                                  cute.make_layout((self.key_groups, self.rows, d), stride=(self.rows * d, d, 1)))
         s_flag = storage.flag.get_tensor(cute.make_layout(1))
 
+        # --8<-- [start:split]
+        # The split's slice [v_begin, v_end) of the sequence's visible keys in the cache. With an append
+        # the query is the new token at position `cached` (the cache's length before it) and sees
+        # seqlen = cached + 1 keys; the last one, the new token itself, comes from k_new, not the cache.
+        appends = 1 if cutlass.const_expr(self.appends) else 0
+        if cutlass.const_expr(not self.paged):
+            capacity = mK.shape[1]
+        else:
+            capacity = mBlockTable.shape[1] * mK.shape[1]
+        cached = cutlass.max(mSeqlens[batch], Int32(0))
+        if cutlass.const_expr(not self.rolling):
+            cached = cutlass.min(cached, capacity - appends)  # never outside the cache
+        seqlen = cached + appends
+        lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
+        num_cached = num_visible - appends
+        step = self.keys_per_iteration
+        chunk = (num_cached + num_splits - 1) // num_splits
+        chunk = (chunk + step - 1) // step * step
+        v_begin = cutlass.min(split * chunk, num_cached)
+        v_end = cutlass.min(v_begin + chunk, num_cached)
+        num_iters = (v_end - v_begin + step - 1) // step
+        ring = (num_sink_tokens, cache_capacity)  # a rolling cache's fixed rows and its length
+        # --8<-- [end:split]
+
+        # --8<-- [start:scales]
+        # A quantized cache holds K / k_scale: q . k = k_scale * (q . k8), so k_scale joins the softmax scale.
+        score_scale = scale_log2
+        k_scale, v_scale = Float32(1.0), Float32(1.0)
+        if cutlass.const_expr(self.quantized):
+            k_scale = mKScale[cutlass.min(head_kv, mKScale.shape[0] - 1)]
+            v_scale = mVScale[cutlass.min(head_kv, mVScale.shape[0] - 1)]
+            score_scale = scale_log2 * k_scale
+        # --8<-- [end:scales]
+
         # --8<-- [start:fragments_setup]
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.mma_dtype, Float32, (16, 8, 16)))
         # Q as the A operand of S = Q K^T, loaded once, ((2, 2, 2), 1, D / 16) in the MMA's value order
         # (column + 1, row + 8, column + 8): rows g, g + 8 (heads), the columns of this thread's K pieces.
         r_q = cute.make_rmem_tensor(((2, 2, 2), 1, d // 16), self.mma_dtype)
+        # [row tile, lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
+        s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
+                               cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))
+        r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
+        angles = self.angles(mCos, mSin, cached)  # RoPE at the new token's position
         for r in cutlass.range_constexpr(2):
             head = first_head + cutlass.min(ROWS * tile + g + 8 * r, heads_here - 1)  # spare rows repeat a real head
             for p in cutlass.range_constexpr(self.k_pieces):
-                raw = cute.make_rmem_tensor((self.k_elems,), self.q_dtype)
-                cute.autovec_copy(cute.local_tile(mQ[batch, head, None], (self.k_elems,), (4 * p + kq,)), raw)
-                piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
-                piece.store(raw.load().to(self.mma_dtype))
+                piece = self.q_piece(mQ[batch, head, None], angles, 4 * p + kq)
                 for e in cutlass.range_constexpr(self.k_elems):
                     # TODO(stage 9): Store piece[e] in the slot of r_q (A operand, compact, in
                     #   the MMA's value order) for row r (head g + 8r) and the very column that
                     #   k_fragment gives the same element of K: any mismatch makes every score
                     #   wrong, and nothing crashes. Page: "The m16n8k16 fragments".
                     raise NotImplementedError('TODO(stage 9) in kernel(): Store piece[e] in the slot of r_q (A operand, compact, in the MMA\'s value order) for row r (head g + 8r) and the very column that k_fragment gives the same element of K: any mismatch makes every score wrong, and nothing crashes. Page: "The m16n8k16 fragments". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
-        # [row tile, lane, 16-byte piece, 8 values]: consecutive lanes read consecutive 16 bytes.
-        s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
-                               cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))
-        r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
+            if cutlass.const_expr(self.rotary != "" and self.q_in_shared):
+                # D = 256: keeps ptxas from loading the second row's pieces (q, cos, sin) while the first
+                # row's are live, which spills.
+                cute.arch.sync_warp()
         if cutlass.const_expr(self.q_in_shared):
             if key_group == 0:  # one copy per row tile: its warps hold the same fragment
                 cute.autovec_copy(r_q_pieces, s_q[tile, lane, None, None])
@@ -782,35 +1038,30 @@ class TensorCoreDecode:
         acc_o = cute.make_rmem_tensor(((2, 2), 1, d // 8), Float32)
         # --8<-- [end:fragments_setup]
 
-        # --8<-- [start:split]
-        # The split's slice [v_begin, v_end) of the sequence's visible keys.
-        if cutlass.const_expr(not self.paged):
-            capacity = mK.shape[1]
-        else:
-            capacity = mBlockTable.shape[1] * mK.shape[1]
-        seqlen = cutlass.max(cutlass.min(mSeqlens[batch], capacity), Int32(0))  # never outside the cache
-        lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
-        step = self.keys_per_iteration
-        chunk = (num_visible + num_splits - 1) // num_splits
-        chunk = (chunk + step - 1) // step * step
-        v_begin = cutlass.min(split * chunk, num_visible)
-        v_end = cutlass.min(v_begin + chunk, num_visible)
-        num_iters = (v_end - v_begin + step - 1) // step
-        # --8<-- [end:split]
-
-        # --8<-- [start:scales]
-        # An fp8 cache holds K / k_scale: q . k = k_scale * (q . k8), so k_scale joins the softmax scale.
-        score_scale = scale_log2
-        if cutlass.const_expr(self.fp8):
-            score_scale = scale_log2 * mKScale[cutlass.min(head_kv, mKScale.shape[0] - 1)]
-        # --8<-- [end:scales]
-
         # --8<-- [start:main_loop]
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         acc_o.fill(0.0)
+        if cutlass.const_expr(self.appends):
+            # The new token is split 0's first key, in the first warp of each row tile, whose state starts
+            # from it (q . k_new over the columns each thread holds of Q, added up by the quad). No other
+            # CTA reads its row, which one CTA writes (write_new_token).
+            if split == 0 and key_group == 0:
+                new_score = cute.make_rmem_tensor((2,), Float32)
+                new_score.fill(0.0)
+                self.new_token_score(mKNew, angles, batch, head_kv, kq, k_scale,
+                                     s_q[tile, lane, None, None] if self.q_in_shared else r_q_pieces, new_score)
+                self.start_with_new_token(mVNew, batch, head_kv, kq, v_scale, new_score, score_scale,
+                                          row_max, row_sum, acc_o)
+            if split == 0 and head_chunk == 0 and warp_idx == 0 and g == 0:
+                self.write_new_token(mK, mV, mKNew, mVNew, mCos, mSin, mBlockTable, batch, head_kv, cached, ring,
+                                     kq, k_scale, v_scale)
+        alibi_log2 = cute.make_rmem_tensor((2,), Float32)  # the thread's rows' slopes, in log2 units
+        if cutlass.const_expr(self.alibi):
+            for r in cutlass.range_constexpr(2):
+                alibi_log2[r] = mAlibi[first_head + cutlass.min(ROWS * tile + g + 8 * r, heads_here - 1)] * LOG2_E
         # Paged cache: entry st < STAGES - 1 holds this lane's page of prologue iteration st's copies,
         # the last one that of the next copies the loop issues.
         r_pages = cute.make_rmem_tensor((STAGES,), Int32)
@@ -825,11 +1076,12 @@ class TensorCoreDecode:
         sK_warp, sV_warp = sK[None, copy_slice, None, None, None], sV[None, copy_slice, None, None, None]
         for st in cutlass.range_constexpr(STAGES):
             if st < num_iters:
-                r_pages[st] = lookup_page(mBlockTable, page_shift, batch, warp_first + st * step, v_end, n_sink, lo, lane)
+                r_pages[st] = lookup_page(mBlockTable, page_shift, batch, warp_first + st * step, v_end, n_sink, lo,
+                                          ring, lane)
         for st in cutlass.range_constexpr(STAGES - 1):
             if st < num_iters:
                 issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st],
-                            batch, head_kv, warp_first + st * step, v_end, n_sink, lo, lane)
+                            batch, head_kv, warp_first + st * step, v_end, n_sink, lo, ring, lane)
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
@@ -840,10 +1092,10 @@ class TensorCoreDecode:
             if ahead < num_iters:
                 issue_loads(sK_warp[ahead % STAGES, None, None, None], sV_warp[ahead % STAGES, None, None, None],
                             mK, mV, r_pages[STAGES - 1], batch, head_kv, warp_first + ahead * step, v_end,
-                            n_sink, lo, lane)
+                            n_sink, lo, ring, lane)
             if ahead + 1 < num_iters:  # the next iteration's pages: the load has a whole iteration to land
                 r_pages[STAGES - 1] = lookup_page(mBlockTable, page_shift, batch, warp_first + (ahead + 1) * step, v_end,
-                                                  n_sink, lo, lane)
+                                                  n_sink, lo, ring, lane)
             cute.arch.cp_async_commit_group()
             stage = it % STAGES
             # The warp's 16-key slices of this iteration: its own (one row tile), or those of its key group.
@@ -861,7 +1113,11 @@ class TensorCoreDecode:
                     cute.gemm(tiled_mma, r_s, r_q_part, r_k, r_s)
                 for v in cutlass.range_constexpr(cute.size(r_s)):
                     valid = first + score_key(v, kq) < v_end
-                    r_s[v] = Float32(cutlass.select_(valid, r_s[v] * score_scale, -Float32.inf))
+                    score = r_s[v] * score_scale
+                    if cutlass.const_expr(self.alibi):  # - slope x (query position - key position)
+                        key = cache_row(first + score_key(v, kq), v_end, n_sink, lo)
+                        score = score + alibi_log2[score_row(v)] * Float32(key - (seqlen - 1))
+                    r_s[v] = Float32(cutlass.select_(valid, score, -Float32.inf))
                 online_softmax_update(r_s, acc_o, row_max, row_sum)
                 # S's accumulator layout is P V's A layout: the same 8 values in the same order.
                 flat(r_p).store(flat(r_s).load().to(self.mma_dtype))
@@ -887,9 +1143,9 @@ class TensorCoreDecode:
             for v in cutlass.range_constexpr(4 * nb, 4 * nb + 4):
                 s_acc[key_group, ROWS * tile + g + 8 * score_row(v), o_column(v, kq, self.v_elems)] = acc_o[v]
         cute.arch.sync_threads()
-        # An fp8 cache holds V / v_scale: the split's O is v_scale * (its O on the cache's values).
+        # A quantized cache holds V / v_scale: the split's O is v_scale * (its O on the cache's values).
         out_scale = Float32(1.0)
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.quantized):
             out_scale = mVScale[cutlass.min(head_kv, mVScale.shape[0] - 1)]
         # One thread per (head, 4 columns): the warps' weights once per head, 16-byte stores.
         head_quads = d // 4  # 4-column pieces of one head's row
@@ -898,7 +1154,7 @@ class TensorCoreDecode:
         for k in cutlass.range_constexpr(per_thread):
             h, quad, real = self.combine_item(k, heads_here)
             lse = split_partial(s_max, s_sum, s_acc, h, quad, o_part)
-            if cutlass.const_expr(self.fp8):
+            if cutlass.const_expr(self.quantized):
                 for i in cutlass.range_constexpr(4):
                     o_part[i] = o_part[i] * out_scale
             if real:
@@ -948,11 +1204,15 @@ class DecodeConfig:
     dtype: str = "float16"     # q and O
     head_dim: int = 128
     paged: bool = False        # a paged cache (any page size of PAGE_SIZES: a runtime extent), else contiguous
-    cache_dtype: str = ""      # "" = dtype (a 16-bit cache); "float8_e4m3fn": an FP8 cache with scales
+    cache_dtype: str = ""      # "" = dtype (a 16-bit cache); "float8_e4m3fn" or "int8": a quantized cache with scales
     has_sink: bool = False     # sink logits
     write_lse: bool = False    # also write the LSE
     row_tiles: int = 1         # 16-head row tiles per CTA: row_tiles(G) for a group of G query heads
     warps: int = 4             # warps per CTA (pick_warps)
+    appends: bool = False      # k_new, v_new: the new token is written to the cache and attended to
+    rotary: str = ""           # one of ROTARY: RoPE on q and k_new (with appends)
+    alibi: bool = False        # ALiBi slopes
+    rolling: bool = False      # a rolling cache (cache_capacity rows)
 
     def __post_init__(self):
         if not self.cache_dtype:
@@ -965,11 +1225,13 @@ class DecodeConfig:
     @property
     def name(self) -> str:
         layout = "paged" if self.paged else "contiguous"
-        cache = "_fp8" if self.cache_dtype == "float8_e4m3fn" else ""
+        cache = {"float8_e4m3fn": "_fp8", "int8": "_int8"}.get(self.cache_dtype, "")
         rows = f"_rows{ROWS * self.row_tiles}" if self.row_tiles > 1 else ""
         warps = f"_warps{self.warps}" if self.warps != 4 else ""
+        extras = (f"{'_append' if self.appends else ''}{'_rope-' + self.rotary if self.rotary else ''}"
+                  f"{'_alibi' if self.alibi else ''}{'_rolling' if self.rolling else ''}")
         return (f"{self.dtype}{cache}_d{self.head_dim}_{layout}{rows}{warps}"
-                f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}")
+                f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}{extras}")
 
 
 def fake_decode_tensors(config: DecodeConfig):
@@ -999,24 +1261,38 @@ def fake_decode_tensors(config: DecodeConfig):
     lse = small(cutlass.Float32, ("B_lse", "H_lse"))
     part_lse = small(cutlass.Float32, ("B", "H_q", "slots"))
     counters = small(cutlass.Int32, ("counters",))
-    return q, k, v, seqlens, block_table, sink, k_scale, v_scale, o, lse, part_o, part_lse, counters
+    # The new token's K and V, [B_new, H_kv_new, D] (1 x 1 x D placeholders without appends), and the
+    # rotary angles [positions, rotary_dim / 2] (rows of 16 bytes: rotary_dim is a multiple of 16).
+    k_new = symbolic_tensor(q_dtype, ("B_new", "H_kv_new", d), symbols=symbols)
+    v_new = symbolic_tensor(q_dtype, ("B_new", "H_kv_new", d), symbols=symbols)
+    cos = symbolic_tensor(q_dtype, ("positions", "half_rotary"), symbols=symbols)
+    sin = symbolic_tensor(q_dtype, ("positions", "half_rotary"), symbols=symbols)
+    alibi = small(cutlass.Float32, ("H_alibi",))
+    return (q, k, v, seqlens, block_table, sink, k_scale, v_scale, o, lse, part_o, part_lse, counters,
+            k_new, v_new, cos, sin, alibi)
 
 
 def kernel_and_args(config: DecodeConfig):
     """The kernel and the symbolic arguments it is compiled with (for every batch, length and head count)."""
-    return TensorCoreDecode(config), (*fake_decode_tensors(config), Float32(1.0), Int32(-1), Int32(0), Int32(1))
+    return TensorCoreDecode(config), (*fake_decode_tensors(config), Float32(1.0), Int32(-1), Int32(0), Int32(1),
+                                      Int32(0))
+
+
+# The serving extras a compiled configuration carries, in turn: (appends, rotary, alibi, rolling).
+EXTRAS = [(False, "", False, False), (True, "halves", False, False), (False, "", True, False),
+          (True, "interleaved", False, True), (True, "", True, False), (False, "", False, True)]
 
 
 def compile_matrix() -> list[DecodeConfig]:
     """Every query dtype x cache dtype x head dim x cache layout (contiguous, paged: one kernel for every
-    page size) x row tiles x warps (8 at D <= 128: pick_warps); the compiled-out features (sinks, LSE)
-    rotate so that each value meets every head dim."""
+    page size) x row tiles x warps (8 at D <= 128: pick_warps); the compiled-out features (sinks, LSE,
+    and the serving extras) rotate so that each value meets every head dim and cache dtype."""
     flags = [(False, False), (True, False), (False, True), (True, True)]
     layouts = [(dtype, cache, d, paged, tiles, warps) for dtype in ("float16", "bfloat16")
-               for cache in (dtype, "float8_e4m3fn") for d in HEAD_DIMS for paged in (False, True)
+               for cache in (dtype, *QUANTIZED) for d in HEAD_DIMS for paged in (False, True)
                for tiles in ROW_TILES if tiles <= row_tiles(64, d)
                for warps in WARPS if warps == 4 or d <= 128]
-    return [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps)
+    return [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps, *EXTRAS[i % len(EXTRAS)])
             for i, (dtype, cache, d, paged, tiles, warps) in enumerate(layouts)]
 
 
@@ -1134,12 +1410,14 @@ _PLANS: dict = {}
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
-                     return_lse=False, out=None, check_lengths=None, k_scale=None, v_scale=None, plan=None):
+                     return_lse=False, out=None, check_lengths=None, k_scale=None, v_scale=None, plan=None,
+                     k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                     alibi_slopes=None, cache_capacity=None):
     """One query token per sequence against its KV cache; the contract is docs/contract.md.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
     page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
-    [B] int32. The cache is q's dtype, or float8_e4m3fn with ``k_scale``,
+    [B] int32. The cache is q's dtype, or float8_e4m3fn or int8 with ``k_scale``,
     ``v_scale`` (float32, [H_kv] or scalar tensors; the cache holds K / k_scale
     and V / v_scale: ``course.runtime.kv_cache.quantize_kv_cache`` makes one). Returns
     o [B, H_q, D] (and lse [B, H_q] float32 with return_lse). ``out``
@@ -1150,27 +1428,47 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     (``launch.check_device_values``). Unchecked, the kernel clamps lengths and
     pages to the cache, so it never reads outside it. ``plan`` (a DecodePlan)
     replaces the rules' row tiles, warps and split count.
+
+    The serving step's extras, each compiled out when unused:
+    ``k_new``, ``v_new`` [B, H_kv, D] (q's dtype): the new token, at position
+    cache_seqlens[b] (the tokens before it), is written to the cache there
+    (quantized for a quantized cache) and attended to with the cache_seqlens[b]
+    before it; ``cache_seqlens`` is not changed (the caller adds 1).
+    ``rotary_cos``, ``rotary_sin`` [positions, rotary_dim / 2] (q's dtype,
+    with k_new): q and k_new rotated at that position, pairs (i, i + rotary_dim / 2),
+    or (2i, 2i + 1) with ``rotary_interleaved``. ``alibi_slopes`` [H_q] float32:
+    scores get - slope x (query position - key position). ``cache_capacity``:
+    a rolling cache of that many rows per sequence: the num_sink_tokens first
+    tokens keep their rows, token t >= num_sink_tokens lives in row
+    num_sink_tokens + (t - num_sink_tokens) mod (cache_capacity - num_sink_tokens);
+    it needs a window that fits (window_size_left < cache_capacity - num_sink_tokens).
     """
     key = launch.signature(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out,
-                           softmax_scale, window_size_left, num_sink_tokens, num_splits, return_lse, plan)
+                           softmax_scale, window_size_left, num_sink_tokens, num_splits, return_lse, plan,
+                           k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, cache_capacity)
     check = launch.check_device_values(check_lengths)
     run = launch.cached_plan(_PLANS, key, lambda: plan_launch(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
         window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
         num_splits=num_splits, return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale, plan=plan,
-        check_lengths=check))
+        check_lengths=check, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, cache_capacity=cache_capacity))
     if check:
         validation.check_decode_values(cache_seqlens, block_table, run.shape, k_scale, v_scale)
-    return run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out)
+    return run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out,
+               k_new, v_new, rotary_cos, rotary_sin, alibi_slopes)
 
 
 def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scale, window_size_left, sink_logits,
-                num_sink_tokens, num_splits, return_lse, out, k_scale, v_scale, plan, check_lengths):
+                num_sink_tokens, num_splits, return_lse, out, k_scale, v_scale, plan, check_lengths, k_new=None,
+                v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, alibi_slopes=None,
+                cache_capacity=None):
     """Everything ``decode_attention`` does that depends only on the call's signature: validation, the
     plan (tiles, warps, splits), the kernel and its compile, placeholders, workspace sizes.
 
     Returns ``run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits,
-    k_scale, v_scale, out)``, which allocates the outputs and workspace and launches.
+    k_scale, v_scale, out, k_new, v_new, rotary_cos, rotary_sin, alibi_slopes)``,
+    which allocates the outputs and workspace and launches.
     """
     import torch
 
@@ -1178,7 +1476,9 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
         window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
         num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
-        k_scale=k_scale, v_scale=v_scale, stage=STAGE, max_token_stride=MAX_TOKEN_STRIDE,
+        k_scale=k_scale, v_scale=v_scale, stage=STAGE, max_token_stride=MAX_TOKEN_STRIDE, k_new=k_new,
+        v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes, cache_capacity=cache_capacity,
     )
     group_size = shape.heads_q // shape.heads_kv
     check_plan(plan, group_size, shape.head_dim)
@@ -1186,7 +1486,8 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
         validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale)
     validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                             block_table=block_table, sink_logits=sink_logits, k_scale=k_scale, v_scale=v_scale,
-                            out=out)
+                            out=out, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                            alibi_slopes=alibi_slopes)
     device = q.device
     cache_dtype = str(k_cache.dtype).removeprefix("torch.")
     max_keys = shape.capacity if window_size_left < 0 else min(shape.capacity, window_size_left + 1 + num_sink_tokens)
@@ -1194,13 +1495,17 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     plan = choose_plan(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype,
                        plan, num_splits)
     kv_ctas = shape.heads_kv * head_chunks(group_size, plan.row_tiles)
+    rotary = "" if rotary_cos is None else "interleaved" if rotary_interleaved else "halves"
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim,
                           block_table is not None, cache_dtype, sink_logits is not None,
-                          bool(return_lse), plan.row_tiles, plan.warps)
+                          bool(return_lse), plan.row_tiles, plan.warps, shape.appends, rotary,
+                          alibi_slopes is not None, shape.rolling > 0)
     kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
     no_scale, no_lse = launch.placeholder(device, (1,)), launch.placeholder(device, (1, 1))
     no_table = launch.placeholder(device, (1, 1), torch.int32)
+    no_row = launch.placeholder(device, (1, 1, shape.head_dim), q.dtype)        # k_new, v_new
+    no_angles = launch.placeholder(device, (1, ROTARY_CHUNK), q.dtype)          # rotary_cos, rotary_sin
     scalar_scales = k_scale is not None and k_scale.dim() == 0, v_scale is not None and v_scale.dim() == 0
     slots = workspace_slots(plan.num_splits)
     part_o_shape = (shape.batch, shape.heads_q, slots, shape.head_dim)
@@ -1208,7 +1513,8 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     partials = launch.DecodePartials(device, part_o_shape, part_lse_shape)
     num_counters = shape.batch * kv_ctas * (split_groups(plan.num_splits) + 1)
 
-    def run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out):
+    def run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out, k_new=None,
+            v_new=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None):
         if out is None:
             out = q.new_empty(q.shape)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if return_lse else no_lse
@@ -1217,8 +1523,11 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
                no_scale if sink_logits is None else sink_logits,
                no_scale if k_scale is None else k_scale.reshape(1) if scalar_scales[0] else k_scale,
                no_scale if v_scale is None else v_scale.reshape(1) if scalar_scales[1] else v_scale,
-               out, lse, part_o, part_lse, launch.decode_counters(device, num_counters), scale_log2,
-               window_size_left, num_sink_tokens, plan.num_splits)
+               out, lse, part_o, part_lse, launch.decode_counters(device, num_counters),
+               no_row if k_new is None else k_new, no_row if v_new is None else v_new,
+               no_angles if rotary_cos is None else rotary_cos, no_angles if rotary_sin is None else rotary_sin,
+               no_scale if alibi_slopes is None else alibi_slopes, scale_log2,
+               window_size_left, num_sink_tokens, plan.num_splits, shape.rolling)
         return (out, lse) if return_lse else out
 
     run.shape, run.plan = shape, plan

@@ -18,7 +18,8 @@ def fp8_inputs(**sizes):
 
 
 def check(inputs, stage=9):
-    names = ("block_table", "softmax_scale", "window_size_left", "sink_logits", "num_sink_tokens", "k_scale", "v_scale")
+    names = ("block_table", "softmax_scale", "window_size_left", "sink_logits", "num_sink_tokens", "k_scale", "v_scale",
+             "k_new", "v_new", "rotary_cos", "rotary_sin", "rotary_interleaved", "alibi_slopes", "cache_capacity")
     return validation.check_decode_inputs(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"],
                                           stage=stage, **{n: inputs[n] for n in names if n in inputs})
 
@@ -89,14 +90,30 @@ def test_validation_accepts_an_fp8_cache_with_scales():
 
 
 def test_stages_before_9_name_stage_9_for_an_fp8_cache():
-    for inputs in (fp8_inputs(), {**decode_inputs(), "k_scale": torch.ones(2), "v_scale": torch.ones(2)}):
-        with pytest.raises(NotImplementedError, match="FP8 KV cache .* not implemented in stage 7; stage 9"):
+    int8 = kv_cache.quantized_decode_inputs(decode_inputs(), torch.int8)
+    for inputs in (fp8_inputs(), int8, {**decode_inputs(), "k_scale": torch.ones(2), "v_scale": torch.ones(2)}):
+        with pytest.raises(NotImplementedError, match="quantized KV cache .* not implemented in stage 7; stage 9"):
             check(inputs, stage=7)
 
 
+@pytest.mark.parametrize("extra", [{"k_new": torch.zeros(2, 2, 64)}, {"alibi_slopes": torch.ones(4)},
+                                   {"cache_capacity": 8}, {"rotary_interleaved": True}],
+                         ids=["k_new", "alibi_slopes", "cache_capacity", "rotary_interleaved"])
+def test_stages_before_9_name_stage_9_for_the_serving_extras(extra):
+    with pytest.raises(NotImplementedError, match=f"{next(iter(extra))} is not implemented in stage 7; stage 9"):
+        check({**decode_inputs(), **extra}, stage=7)
+
+
+def test_int8_quantization_rounds_to_nearest_even_and_clamps():
+    x = torch.tensor([[[[0.5, 1.5, 2.5, -0.5, 200.0, -200.0, 126.6, 3.0]]]])
+    assert kv_cache.quantize_rows(x, torch.tensor(1.0), torch.int8).flatten().tolist() == [0, 2, 2, 0, 127, -127, 127, 3]
+    k8, _, k_scale, _ = kv_cache.quantize_kv_cache(x, x, torch.int8)
+    assert k_scale.tolist() == [torch.tensor(200.0 / 127, dtype=torch.float32).item()] and k8.abs().max().item() == 127
+
+
 BAD_FP8 = {  # name: (change to valid FP8 inputs, exception, what the message says)
-    "k_scale-missing": (dict(k_scale=None), ValueError, r"an FP8 cache needs k_scale"),
-    "v_scale-missing": (dict(v_scale=None), ValueError, r"an FP8 cache needs v_scale"),
+    "k_scale-missing": (dict(k_scale=None), ValueError, r"a torch.float8_e4m3fn cache needs k_scale"),
+    "v_scale-missing": (dict(v_scale=None), ValueError, r"a torch.float8_e4m3fn cache needs v_scale"),
     "k_scale-float16": (dict(k_scale=torch.ones(2, dtype=torch.float16)), TypeError, r"k_scale has dtype .*float32"),
     "v_scale-list": (dict(v_scale=[1.0, 1.0]), TypeError, r"v_scale must be a torch.Tensor"),
     "k_scale-per-query-head": (dict(k_scale=torch.ones(4)), ValueError, r"k_scale has shape \(4,\); expected \[H_kv\]"),
@@ -119,7 +136,7 @@ def test_validation_rejects_bad_fp8_arguments(change, error, message):
 
 
 def test_validation_rejects_scales_for_a_16_bit_cache():
-    with pytest.raises(ValueError, match=r"k_scale and v_scale describe an FP8 cache .* torch.float16"):
+    with pytest.raises(ValueError, match=r"k_scale and v_scale describe a quantized cache .* torch.float16"):
         check({**decode_inputs(), "k_scale": torch.ones(2), "v_scale": torch.ones(2)})
 
 

@@ -159,7 +159,76 @@ BAD_INPUTS = {
                                             ValueError, "CUDA"),
     "token-stride-below-2**27-reaches-the-device-check": (
         lambda: strided_tokens(STAGE.load("solutions").MAX_TOKEN_STRIDE - 64), {}, ValueError, "CUDA"),
+    # The serving extras.
+    "int8-without-scales": (lambda: {k: v for k, v in int8_cpu_inputs().items() if k != "k_scale"}, {},
+                            ValueError, "k_scale"),
+    "int8-valid-reaches-the-device-check": (lambda: int8_cpu_inputs(), {}, ValueError, "CUDA"),
+    "k-new-without-v-new": (lambda: cpu_inputs(), {"k_new": torch.zeros(2, 2, 64, dtype=torch.float16)},
+                            ValueError, "k_new and v_new together"),
+    "k-new-shape": (lambda: cpu_inputs(), {"k_new": torch.zeros(2, 4, 64, dtype=torch.float16),
+                                           "v_new": torch.zeros(2, 4, 64, dtype=torch.float16)}, ValueError,
+                    r"k_new has shape \(2, 4, 64\).*\[2, 2, 64\]"),
+    "k-new-dtype": (lambda: cpu_inputs(), {"k_new": torch.zeros(2, 2, 64, dtype=torch.bfloat16),
+                                           "v_new": torch.zeros(2, 2, 64, dtype=torch.bfloat16)}, ValueError,
+                    "q's dtype"),
+    "rope-without-k-new": (lambda: cpu_inputs(), {"rotary_cos": torch.ones(8, 32, dtype=torch.float16),
+                                                  "rotary_sin": torch.ones(8, 32, dtype=torch.float16)},
+                           ValueError, "pass k_new and v_new too"),
+    "rope-cos-only": (lambda: append_cpu_inputs(), {"rotary_cos": torch.ones(8, 32, dtype=torch.float16)},
+                      ValueError, "rotary_cos and rotary_sin together"),
+    "rope-dtype": (lambda: append_cpu_inputs(), {"rotary_cos": torch.ones(8, 32), "rotary_sin": torch.ones(8, 32)},
+                   TypeError, "q's dtype"),
+    "rope-dim-not-16": (lambda: append_cpu_inputs(), {"rotary_cos": torch.ones(8, 12, dtype=torch.float16),
+                                                      "rotary_sin": torch.ones(8, 12, dtype=torch.float16)},
+                        ValueError, "rotary_dim = 2 x 12 = 24"),
+    "rope-dim-over-head-dim": (lambda: append_cpu_inputs(), {"rotary_cos": torch.ones(8, 40, dtype=torch.float16),
+                                                             "rotary_sin": torch.ones(8, 40, dtype=torch.float16)},
+                               ValueError, "to head_dim"),
+    "rope-shapes-differ": (lambda: append_cpu_inputs(), {"rotary_cos": torch.ones(8, 32, dtype=torch.float16),
+                                                         "rotary_sin": torch.ones(9, 32, dtype=torch.float16)},
+                           ValueError, "must match"),
+    "rope-interleaved-not-bool": (lambda: append_cpu_inputs(), {"rotary_interleaved": 1}, TypeError,
+                                  "rotary_interleaved must be True or False"),
+    "rope-interleaved-without-tables": (lambda: append_cpu_inputs(), {"rotary_interleaved": True}, ValueError,
+                                        "needs them"),
+    "rope-position-past-the-table": (lambda: append_cpu_inputs(),
+                                     {"rotary_cos": torch.ones(9, 32, dtype=torch.float16),
+                                      "rotary_sin": torch.ones(9, 32, dtype=torch.float16), "check_lengths": True},
+                                     ValueError, r"cache_seqlens\[1\] = 9 is the new token's position"),
+    "append-past-the-cache": (lambda: replaced(append_cpu_inputs(), cache_seqlens=torch.tensor([5, 14],
+                                                                                              dtype=torch.int32)),
+                              {"check_lengths": True}, ValueError, "and the appended token is larger than the cache"),
+    "append-valid-reaches-the-device-check": (lambda: append_cpu_inputs(),
+                                              {"rotary_cos": torch.ones(10, 32, dtype=torch.float16),
+                                               "rotary_sin": torch.ones(10, 32, dtype=torch.float16),
+                                               "check_lengths": True}, ValueError, "CUDA"),
+    "alibi-dtype": (lambda: cpu_inputs(), {"alibi_slopes": torch.ones(4, dtype=torch.float16)}, TypeError,
+                    "float32"),
+    "alibi-shape": (lambda: cpu_inputs(), {"alibi_slopes": torch.ones(2)}, ValueError, r"\[4\] float32"),
+    "alibi-valid-reaches-the-device-check": (lambda: cpu_inputs(), {"alibi_slopes": torch.ones(4)}, ValueError,
+                                             "CUDA"),
+    "rolling-without-window": (lambda: cpu_inputs(), {"cache_capacity": 8}, ValueError, "needs a window that fits"),
+    "rolling-window-too-wide": (lambda: cpu_inputs(), {"cache_capacity": 8, "window_size_left": 6,
+                                                       "num_sink_tokens": 2}, ValueError, "from 0 to 5; got 6"),
+    "rolling-capacity-over-rows": (lambda: cpu_inputs(), {"cache_capacity": 99, "window_size_left": 3}, ValueError,
+                                   "more than the cache's 14 rows"),
+    "rolling-capacity-zero": (lambda: cpu_inputs(), {"cache_capacity": 0, "window_size_left": 0}, ValueError,
+                              "cache_capacity must be an int from 1"),
+    "rolling-lengths-past-capacity-reach-the-device-check": (
+        lambda: replaced(cpu_inputs(), cache_seqlens=torch.tensor([500, 7], dtype=torch.int32)),
+        {"cache_capacity": 8, "window_size_left": 5, "check_lengths": True}, ValueError, "CUDA"),
 }
+
+
+def int8_cpu_inputs(**sizes):
+    return kv_cache.quantized_decode_inputs(cpu_inputs(**sizes), torch.int8)
+
+
+def append_cpu_inputs():
+    """CPU inputs of lengths 5 and 9 in a cache of 14 rows, with the new token's k_new, v_new."""
+    inputs = cpu_inputs()
+    return {**inputs, "k_new": torch.zeros(2, 2, 64, dtype=torch.float16),
+            "v_new": torch.zeros(2, 2, 64, dtype=torch.float16)}
 
 
 def strided_tokens(token_stride: int) -> dict:
@@ -199,11 +268,17 @@ CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS
 def test_compile_matrix_covers_every_option(solution):
     layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.paged, c.row_tiles, c.warps) for c in CONFIGS}
     assert layouts == {(t, cache, d, p, tiles, warps) for t in ("float16", "bfloat16")
-                       for cache in (t, "float8_e4m3fn") for d in solution.HEAD_DIMS for p in (False, True)
+                       for cache in (t, *solution.QUANTIZED) for d in solution.HEAD_DIMS for p in (False, True)
                        for tiles in solution.ROW_TILES if tiles <= solution.row_tiles(64, d)
                        for warps in solution.WARPS if warps == 4 or d <= 128}
     for d in solution.HEAD_DIMS:
-        assert {(c.has_sink, c.write_lse) for c in CONFIGS if c.head_dim == d} == {(a, b) for a in (0, 1) for b in (0, 1)}
+        here = [c for c in CONFIGS if c.head_dim == d]
+        assert {(c.has_sink, c.write_lse) for c in here} == {(a, b) for a in (0, 1) for b in (0, 1)}
+        assert {c.rotary for c in here if c.appends} == set(solution.ROTARY), f"D={d}: every RoPE variant"
+        assert any(c.alibi for c in here) and any(c.rolling for c in here), f"D={d}: ALiBi and a rolling cache"
+        for cache in ("16-bit", *solution.QUANTIZED):  # each quantized cache writes its appended rows itself
+            assert any(c.appends for c in here if (c.cache_dtype in solution.QUANTIZED) == (cache != "16-bit")
+                       and (cache == "16-bit" or c.cache_dtype == cache)), f"D={d}: an append to a {cache} cache"
 
 
 @pytest.mark.compiles
@@ -218,6 +293,9 @@ def test_cross_compiles_for_sm90a(stage, config):
     assert "st.relaxed.gpu.global" in ptx, "the last CTA resets its counter"
     if config.cache_dtype == "float8_e4m3fn":
         assert "cvt.rn.f16x2.e4m3x2" in ptx, "an FP8 cache is converted to fp16 in registers, two values at a time"
+    if config.appends:
+        assert "div.rn.f32" in ptx or config.cache_dtype not in stage.QUANTIZED, (
+            "the appended row is quantized with an IEEE division, as kv_cache.quantize_rows divides")
     bytes_per = stage.cache_bytes(config.cache_dtype)
     assert report.spill_bytes == 0, f"{report.name} spills {report.spill_bytes} bytes of registers to local memory"
     expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles, config.warps)
@@ -437,3 +515,210 @@ def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, variant
         inputs["k_cache"][b, :n] += t[:, None, None].to(inputs["k_cache"].dtype)
     run(stage, inputs, f"scores climbing {climb} per key", fp8=fp8, return_lse=True, num_splits=1,
         plan=variant_plan(stage, variant, heads_q, heads_kv))
+
+
+# ---------------------------------------------------------------- the serving extras: append + RoPE, ALiBi,
+# a rolling cache, an int8 cache (Hopper GPU)
+
+QUANTIZED = {"16-bit": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def quantized(inputs, cache):
+    """(inputs on a ``cache`` cache, its scales as features): 16-bit, fp8 or int8."""
+    if QUANTIZED[cache] is None:
+        return inputs, {}
+    q = kv_cache.quantized_decode_inputs(inputs, QUANTIZED[cache])
+    return ({k: v for k, v in q.items() if k not in ("k_scale", "v_scale")},
+            {"k_scale": q["k_scale"], "v_scale": q["v_scale"]})
+
+
+def bits(t):
+    """A tensor's bits, so that NaN compares equal to the same NaN."""
+    return t.view(torch.int8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+def append_step(stage, inputs, features, where, **options):
+    """One decode step with the new token appended, on poisoned output: the output against the reference,
+    the caches against the reference's append bit for bit (the new rows, and every other row unchanged),
+    cache_seqlens unchanged."""
+    before = {name: inputs[name].clone() for name in ("k_cache", "v_cache", "cache_seqlens")}
+    out = stage.decode_attention(**inputs, **features, **options, out=testing.poisoned_like(inputs["q"]))
+    expected = testing.reference.append_to_cache(
+        before["k_cache"], before["v_cache"], before["cache_seqlens"], features["k_new"], features["v_new"],
+        block_table=inputs.get("block_table"), rotary_cos=features.get("rotary_cos"),
+        rotary_sin=features.get("rotary_sin"), rotary_interleaved=features.get("rotary_interleaved", False),
+        k_scale=features.get("k_scale"), v_scale=features.get("v_scale"),
+        num_sink_tokens=features.get("num_sink_tokens", 0), cache_capacity=features.get("cache_capacity"))
+    for name, want in zip(("k_cache", "v_cache"), expected):
+        wrong = (bits(inputs[name]) != bits(want)).nonzero()
+        assert not len(wrong), (f"{where}: {name} differs from the reference's append at {wrong[0].tolist()} "
+                                f"({len(wrong)} elements): the new row is not what k_new/v_new rotated and "
+                                "rounded give, or another row was written")
+    assert torch.equal(inputs["cache_seqlens"], before["cache_seqlens"]), "cache_seqlens must not change"
+    testing.assert_decode_matches(out, {**inputs, "k_cache": before["k_cache"], "v_cache": before["v_cache"]},
+                                  where, **features)
+    return out
+
+
+APPEND_CASES = [  # (dtype, D, layout, cache, rotary: (rotary_dim or 0, interleaved), H_q, H_kv)
+    ("float16", 128, "contiguous", "16-bit", (128, False), 32, 8),
+    ("bfloat16", 128, "paged16", "16-bit", (128, True), 8, 1),
+    ("float16", 64, "paged64", "fp8", (64, False), 64, 8),
+    ("bfloat16", 64, "contiguous", "int8", (32, True), 16, 2),
+    ("float16", 256, "paged64", "16-bit", (64, False), 16, 2),
+    ("bfloat16", 256, "contiguous", "fp8", (256, True), 8, 8),
+    ("float16", 128, "paged256", "int8", (0, False), 48, 2),
+    ("bfloat16", 128, "paged32", "fp8", (96, False), 64, 1),
+]
+
+
+# Each case as the launch picks its plan, and (D <= 128) with the most row tiles on 8 warps.
+APPEND_VARIANTS = [(*case, variant) for case in APPEND_CASES for variant in (None, "tiles-warps8")
+                   if variant is None or case[1] <= 128]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim, layout, cache, rotary, heads_q, heads_kv, variant", APPEND_VARIANTS,
+                         ids=[f"{a}-d{b}-{c}-{d}-rope{e[0]}{'i' if e[1] else ''}-h{f}-kv{g}{VARIANT_IDS[v]}"
+                              for a, b, c, d, e, f, g, v in APPEND_VARIANTS])
+def test_fused_append_and_rope(stage, dtype, head_dim, layout, cache, rotary, heads_q, heads_kv, variant):
+    """The new token appended (and rotated) in the launch: lengths 0 (the new token alone), page
+    boundaries on both sides, long sequences split many ways."""
+    lengths = [0, 1, 15, 16, 63, 64, 4096, 20000]
+    inputs = testing.append_decode_inputs(lengths, heads_q, heads_kv, head_dim, getattr(torch, dtype),
+                                          page_size=LAYOUTS[layout], seed=head_dim + heads_q)
+    inputs, features = quantized(inputs, cache)
+    features.update(k_new=inputs.pop("k_new"), v_new=inputs.pop("v_new"))
+    rotary_dim, interleaved = rotary
+    if rotary_dim:
+        cos, sin = testing.rotary_tables(max(lengths) + 1, rotary_dim, getattr(torch, dtype))
+        features.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    for num_splits in (1, 5, 0):
+        step = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        append_step(stage, {**inputs, **step}, features, f"{dtype} D={head_dim} {layout} {cache} rope {rotary} "
+                    f"H_q={heads_q} H_kv={heads_kv} {variant} num_splits={num_splits}", num_splits=num_splits,
+                    plan=variant_plan(stage, variant, heads_q, heads_kv, head_dim), return_lse=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_append_with_window_sinks_and_alibi(stage, layout):
+    """Every decode feature at once on the appended token: window, sink tokens and logits, ALiBi, LSE."""
+    lengths = [0, 3, 130, 5000]
+    inputs = testing.append_decode_inputs(lengths, 32, 8, 128, torch.bfloat16, page_size=LAYOUTS[layout], seed=5)
+    cos, sin = testing.rotary_tables(max(lengths) + 1, 128, torch.bfloat16)
+    features = dict(k_new=inputs.pop("k_new"), v_new=inputs.pop("v_new"), rotary_cos=cos, rotary_sin=sin,
+                    window_size_left=100, num_sink_tokens=4, sink_logits=torch.randn(32, device="cuda"),
+                    alibi_slopes=testing.alibi_slopes(32))
+    before = {k: inputs[k].clone() for k in ("k_cache", "v_cache")}
+    out, lse = stage.decode_attention(**inputs, **features, num_splits=3, return_lse=True,
+                                      out=testing.poisoned_like(inputs["q"]))
+    testing.assert_decode_matches(out, {**inputs, **before}, f"{layout}, all features", lse=lse, **features)
+
+
+ALIBI_CASES = {  # name: (H_q, H_kv, layout, features)
+    "mha": (16, 16, "contiguous", {}),
+    "gqa-window": (32, 8, "paged64", {"window_size_left": 700}),
+    "mqa-64-sinks": (64, 1, "paged16", {"window_size_left": 300, "num_sink_tokens": 3}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", QUANTIZED)
+@pytest.mark.parametrize("variant", [None, "tiles", "warps8"], ids=["auto", "most-tiles", "warps8"])
+@pytest.mark.parametrize("heads_q, heads_kv, layout, features", ALIBI_CASES.values(), ids=ALIBI_CASES.keys())
+def test_alibi(stage, heads_q, heads_kv, layout, features, variant, cache):
+    """score - slope x (query position - key position), the paper's slopes, steep enough (2^-0.125 to
+    2^-8 per key) that the nearest keys dominate; the key positions of sinks and windows."""
+    inputs = testing.random_decode_inputs([1, 2, 100, 4097, 30000], heads_q, heads_kv, 128, torch.float16,
+                                          page_size=LAYOUTS[layout], seed=heads_q)
+    inputs, scales = quantized(inputs, cache)
+    out = stage.decode_attention(**inputs, **scales, **features, alibi_slopes=testing.alibi_slopes(heads_q),
+                                 num_splits=6, return_lse=True, plan=variant_plan(stage, variant, heads_q, heads_kv),
+                                 out=testing.poisoned_like(inputs["q"]))
+    testing.assert_decode_matches(out[0], inputs, f"ALiBi H_q={heads_q} {layout} {features} {variant} {cache}",
+                                  lse=out[1], alibi_slopes=testing.alibi_slopes(heads_q), **scales, **features)
+
+
+ROLLING_CASES = {  # name: (capacity, window, sink tokens, layout)
+    "ring-of-128": (128, 127, 0, "contiguous"),
+    "4-sinks+124-ring-paged": (128, 100, 4, "paged16"),
+    "ring-of-1000-paged": (1000, 999, 0, "paged64"),
+    "window-smaller-than-ring": (300, 17, 2, "contiguous"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", QUANTIZED)
+@pytest.mark.parametrize("capacity, window, sinks, layout", ROLLING_CASES.values(), ids=ROLLING_CASES.keys())
+def test_rolling_cache(stage, capacity, window, sinks, layout, cache):
+    """Token t in row t mod capacity (after the sink rows): lengths below, at and far past the ring, a
+    window that wraps; then one appended step, whose row overwrites the token that just left the window."""
+    lengths = [1, capacity - 1, capacity, capacity + 1, 5 * capacity + 17, 70000]
+    inputs = testing.rolling_decode_inputs(lengths, capacity, 32, 8, 128, torch.float16,
+                                           page_size=LAYOUTS[layout], seed=capacity)
+    inputs, scales = quantized(inputs, cache)
+    features = dict(window_size_left=window, num_sink_tokens=sinks, cache_capacity=capacity, **scales)
+    out = stage.decode_attention(**inputs, **features, num_splits=4, out=testing.poisoned_like(inputs["q"]))
+    testing.assert_decode_matches(out, inputs, f"rolling {capacity} {layout} {cache}", **features)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    new = {name: torch.randn(len(lengths), 8, 128, generator=gen, device="cuda").half() for name in ("k_new", "v_new")}
+    append_step(stage, inputs, {**features, **new}, f"rolling {capacity} {layout} {cache} + append", num_splits=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads_q, heads_kv, variant", ROW_TILE_HEADS, ids=HEADS_IDS)
+@pytest.mark.parametrize("dtype, head_dim, layout", RAGGED_CASES, ids=[f"{a}-d{b}-{c}" for a, b, c in RAGGED_CASES])
+def test_int8_cache(stage, dtype, head_dim, layout, heads_q, heads_kv, variant):
+    """The ragged batch on an int8 cache, against the values it stands for (its scales times its integers)."""
+    inputs = testing.random_decode_inputs(RAGGED, heads_q, heads_kv, head_dim, getattr(torch, dtype),
+                                          page_size=LAYOUTS[layout], seed=head_dim + heads_q)
+    q_inputs, scales = quantized(inputs, "int8")
+    out = stage.decode_attention(**q_inputs, **scales, return_lse=True, out=testing.poisoned_like(inputs["q"]),
+                                 plan=variant_plan(stage, variant, heads_q, heads_kv, head_dim))
+    testing.assert_decode_matches(out[0], q_inputs, f"{dtype} D={head_dim} {layout} int8 H_q={heads_q} "
+                                  f"H_kv={heads_kv} {variant}", lse=out[1], **scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", QUANTIZED)
+def test_append_graph_replay_and_repeated_launches(stage, cache):
+    """Appends are not idempotent in general, so every launch starts from the same cache: 200 eager
+    launches and 200 replays of one captured launch give the same bits, O and cache."""
+    lengths = [5, 64, 4097]
+    inputs = testing.append_decode_inputs(lengths, 32, 8, 128, torch.float16, page_size=64, seed=6)
+    inputs, scales = quantized(inputs, cache)
+    cos, sin = testing.rotary_tables(max(lengths) + 1, 128, torch.float16)
+    features = dict(k_new=inputs.pop("k_new"), v_new=inputs.pop("v_new"), rotary_cos=cos, rotary_sin=sin,
+                    num_splits=37, **scales)
+    pristine = {k: inputs[k].clone() for k in ("k_cache", "v_cache")}
+
+    def reset():
+        inputs["k_cache"].copy_(pristine["k_cache"])
+        inputs["v_cache"].copy_(pristine["v_cache"])
+
+    first = append_step(stage, inputs, {k: v for k, v in features.items() if k != "num_splits"}, "launch 1",
+                        num_splits=37)
+    appended = {k: inputs[k].clone() for k in ("k_cache", "v_cache")}
+    for i in range(200):
+        reset()
+        out = stage.decode_attention(**inputs, **features)
+        assert torch.equal(out, first), f"eager launch {i + 2} differs from the first"
+    assert all(torch.equal(bits(inputs[k]), bits(appended[k])) for k in appended)
+    out = testing.poisoned_like(inputs["q"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stage.decode_attention(**inputs, **features, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        stage.decode_attention(**inputs, **features, out=out)
+    for replay in range(200):
+        reset()
+        out.fill_(float("nan"))
+        graph.replay()
+        if replay in (0, 199):
+            torch.cuda.synchronize()
+            assert torch.equal(out, first), f"CUDA graph replay {replay + 1} differs from an eager launch"
+            assert all(torch.equal(bits(inputs[k]), bits(appended[k])) for k in appended)

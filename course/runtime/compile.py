@@ -23,7 +23,7 @@ ARTIFACT_ROOT = Path(__file__).resolve().parents[2] / "artifacts"
 
 
 def cute_dtype(torch_dtype):
-    """The CuTe numeric type for a torch dtype (fp16, bf16, fp32, int32, fp8 e4m3)."""
+    """The CuTe numeric type for a torch dtype (fp16, bf16, fp32, int32, fp8 e4m3, int8)."""
     import cutlass
     import torch
 
@@ -33,6 +33,7 @@ def cute_dtype(torch_dtype):
         torch.float32: cutlass.Float32,
         torch.int32: cutlass.Int32,
         torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+        torch.int8: cutlass.Int8,
     }
     return table[torch_dtype]
 

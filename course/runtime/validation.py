@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("torch.float16", "torch.bfloat16")
 FP8_CACHE_DTYPE = "torch.float8_e4m3fn"  # the FP8 KV cache (stage 9): the cache holds K / k_scale, V / v_scale
+INT8_CACHE_DTYPE = "torch.int8"          # the int8 KV cache (stage 9), symmetric, with the same scales
+QUANTIZED_CACHE_DTYPES = (FP8_CACHE_DTYPE, INT8_CACHE_DTYPE)
 FP8_STAGE = (9, "tensor-core decode with an FP8 KV cache")
+# What stage 9 adds to decode besides its quantized caches: the serving step's extras.
+DECODE_EXTRAS_STAGE = (9, "tensor-core decode: fused append and RoPE, ALiBi, rolling cache, int8 cache")
 INT32_MAX = 2**31 - 1  # the kernels take window sizes, sink-token and split counts as 32-bit ints
 # The kernels multiply scores by softmax_scale * log2(e) as a float32: it must be a normal float32
 # (a zero or denormal scale turns a masked score into -inf * 0 = NaN, an infinite one every score).
@@ -356,6 +360,10 @@ class DecodeInputShape:
     capacity: int     # the most keys one sequence can have: S_max, or max_pages * page_size
     page_size: int    # 0 for a contiguous cache
     num_pages: int    # 0 for a contiguous cache
+    appends: bool = False      # k_new, v_new: the call writes one row per sequence at cache_seqlens[b]
+    rotary_dim: int = 0        # columns rotary_cos/sin rotate (0: no RoPE)
+    rotary_positions: int = 0  # rows of rotary_cos/sin: positions 0 .. rotary_positions - 1
+    rolling: int = 0           # cache_capacity of a rolling cache, 0 for a linear one
 
 
 def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
@@ -375,13 +383,17 @@ def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                         window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, return_lse=False,
                         out=None, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256), k_scale=None,
-                        v_scale=None, stage=7, max_token_stride=None) -> DecodeInputShape:
+                        v_scale=None, stage=7, max_token_stride=None, k_new=None, v_new=None, rotary_cos=None,
+                        rotary_sin=None, rotary_interleaved=False, alibi_slopes=None,
+                        cache_capacity=None) -> DecodeInputShape:
     """Validate the decode API's arguments (shapes, dtypes, options); return the sizes.
 
     Only metadata is read here. The lengths themselves (values of
     cache_seqlens and block_table) are checked by ``check_decode_lengths``,
     the FP8 scales' values by ``check_kv_scale_values``. ``stage``: the
-    calling stage; an FP8 cache (and its scales) needs stage 9.
+    calling stage; an FP8 or int8 cache (and its scales), the fused append
+    (``k_new``, ``v_new``, with ``rotary_cos``/``rotary_sin``), ``alibi_slopes``
+    and a rolling cache (``cache_capacity``) need stage 9.
     ``max_token_stride``: the stage's bound on the caches' token stride
     (dimension 1), in elements, if its copies step between tokens with 32-bit offsets.
     """
@@ -390,13 +402,20 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     _check_tensor("q", q, rank=3, layout="[batch, heads_q, head_dim]")
     cache_layout = ("[batch, S_max, heads_kv, head_dim] (contiguous cache) or "
                     "[num_pages, page_size, heads_kv, head_dim] with a block_table (paged cache)")
-    fp8 = any(isinstance(t, torch.Tensor) and str(t.dtype) == FP8_CACHE_DTYPE for t in (k_cache, v_cache))
-    if (fp8 or k_scale is not None or v_scale is not None) and stage < FP8_STAGE[0]:
-        raise NotImplementedError(f"an FP8 KV cache (float8_e4m3fn with k_scale, v_scale) is not implemented in "
-                                  f"stage {stage}; stage {FP8_STAGE[0]} ({FP8_STAGE[1]}) adds it")
+    quantized = any(isinstance(t, torch.Tensor) and str(t.dtype) in QUANTIZED_CACHE_DTYPES for t in (k_cache, v_cache))
+    if (quantized or k_scale is not None or v_scale is not None) and stage < FP8_STAGE[0]:
+        raise NotImplementedError(f"a quantized KV cache (float8_e4m3fn or int8 with k_scale, v_scale) is not "
+                                  f"implemented in stage {stage}; stage {FP8_STAGE[0]} ({FP8_STAGE[1]}) adds it")
+    extras = {"k_new": k_new, "v_new": v_new, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
+              "alibi_slopes": alibi_slopes, "cache_capacity": cache_capacity}
+    given = [name for name, value in extras.items() if value is not None] + (["rotary_interleaved"]
+                                                                             if rotary_interleaved else [])
+    if given and stage < DECODE_EXTRAS_STAGE[0]:
+        raise NotImplementedError(f"{given[0]} is not implemented in stage {stage}; stage {DECODE_EXTRAS_STAGE[0]} "
+                                  f"({DECODE_EXTRAS_STAGE[1]}) adds it")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(name, t, rank=4, layout=cache_layout, dtypes=(*SUPPORTED_DTYPES, FP8_CACHE_DTYPE))
-    if fp8:
+        _check_tensor(name, t, rank=4, layout=cache_layout, dtypes=(*SUPPORTED_DTYPES, *QUANTIZED_CACHE_DTYPES))
+    if quantized:
         if not (k_cache.dtype == v_cache.dtype):
             raise TypeError(f"k_cache and v_cache must share one dtype; got k_cache {k_cache.dtype}, "
                             f"v_cache {v_cache.dtype}")
@@ -447,10 +466,99 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     check_int32("num_splits", num_splits, minimum=0)
     _check_flag("return_lse", return_lse)
     _check_sink_logits(sink_logits, h_q)
-    _check_kv_scales(k_scale, v_scale, fp8=fp8, cache_dtype=k_cache.dtype, heads_kv=h_kv)
+    _check_kv_scales(k_scale, v_scale, quantized=quantized, cache_dtype=k_cache.dtype, heads_kv=h_kv)
     if out is not None:
         _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
-    return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages)
+    _check_per_head("alibi_slopes", alibi_slopes, h_q, "one slope per query head: the bias is -slope x (query "
+                    "position - key position)")
+    rotary_dim, rotary_positions = _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved,
+                                                 heads_kv=h_kv)
+    rolling = _check_rolling(cache_capacity, capacity, window_size_left, num_sink_tokens)
+    return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages, k_new is not None, rotary_dim,
+                            rotary_positions, rolling)
+
+
+ROTARY_DIM_MULTIPLE = 16  # the kernel rotates q and k_new 8 columns at a time, each half of rotary_dim whole
+
+
+def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *, heads_kv: int) -> tuple[int, int]:
+    """The fused append's arguments: k_new and v_new [B, H_kv, D] in q's dtype, both or neither; rotary_cos and
+    rotary_sin [positions, rotary_dim / 2] in q's dtype, both or neither, only with k_new. Returns
+    (rotary_dim, positions), (0, 0) without RoPE."""
+    import torch
+
+    _check_flag("rotary_interleaved", rotary_interleaved)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass k_new and v_new together (the new token's K and V rows, [batch, heads_kv, head_dim]), "
+                         "or neither")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("pass rotary_cos and rotary_sin together ([positions, rotary_dim / 2] each), or neither")
+    if rotary_interleaved and rotary_cos is None:
+        raise ValueError("rotary_interleaved chooses how rotary_cos/sin rotate k_new and q; it needs them")
+    if k_new is None:
+        if rotary_cos is not None:
+            raise ValueError("rotary_cos and rotary_sin rotate the new token's q and k: pass k_new and v_new too "
+                             "(rotate q yourself when the cache is already written)")
+        return 0, 0
+    b, _, d = q.shape
+    layout = f"[batch, heads_kv, head_dim] = [{b}, {heads_kv}, {d}], q's dtype"
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        _check_tensor(name, t, rank=3, layout=layout)
+        if t.dtype != q.dtype or tuple(t.shape) != (b, heads_kv, d):
+            raise ValueError(f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}; expected {layout} ({q.dtype})")
+    if rotary_cos is None:
+        return 0, 0
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            _check_tensor(name, t, rank=2, layout="[positions, rotary_dim / 2] in q's dtype")  # says what is wrong
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected q's dtype {q.dtype} (the products with 16-bit "
+                            "cos and sin are exact in float32, so the rotated rows are the reference's bit for bit)")
+    if rotary_cos.shape != rotary_sin.shape:
+        raise ValueError(f"rotary_cos has shape {tuple(rotary_cos.shape)} but rotary_sin has "
+                         f"{tuple(rotary_sin.shape)}; they must match")
+    positions, rotary_dim = rotary_cos.shape[0], 2 * rotary_cos.shape[1]
+    if positions == 0 or rotary_dim == 0 or rotary_dim > d or rotary_dim % ROTARY_DIM_MULTIPLE:
+        raise ValueError(f"rotary_cos has shape {tuple(rotary_cos.shape)}: rotary_dim = 2 x {rotary_cos.shape[1]} "
+                         f"= {rotary_dim}; expected at least one position and a rotary_dim that is a multiple of "
+                         f"{ROTARY_DIM_MULTIPLE} from {ROTARY_DIM_MULTIPLE} to head_dim ({d})")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        _check_tensor(name, t, rank=2, layout="[positions, rotary_dim / 2] in q's dtype")
+    return rotary_dim, positions
+
+
+def _check_per_head(name: str, t, heads: int, meaning: str) -> None:
+    """An optional float32 [heads] contiguous tensor."""
+    import torch
+
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None; got {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected torch.float32 ({meaning})")
+    if t.shape != (heads,) or t.stride() != (1,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}; expected a contiguous "
+                         f"[{heads}] float32 tensor ({meaning})")
+
+
+def _check_rolling(cache_capacity, rows: int, window_size_left: int, num_sink_tokens: int) -> int:
+    """A rolling cache: cache_capacity rows of the cache hold token t at row t (t < num_sink_tokens) or
+    num_sink_tokens + (t - num_sink_tokens) mod (cache_capacity - num_sink_tokens), which keeps every key a
+    window can see only when window_size_left + 1 <= cache_capacity - num_sink_tokens. Returns the capacity
+    (0: a linear cache)."""
+    if cache_capacity is None:
+        return 0
+    check_int32("cache_capacity", cache_capacity, minimum=1)
+    if cache_capacity > rows:
+        raise ValueError(f"cache_capacity = {cache_capacity} is more than the cache's {rows} rows per sequence "
+                         "(S_max, or max_pages x page_size)")
+    if window_size_left < 0 or window_size_left + 1 > cache_capacity - num_sink_tokens:
+        raise ValueError(
+            f"a rolling cache of cache_capacity = {cache_capacity} rows keeps the {num_sink_tokens} sink tokens and "
+            f"the last {cache_capacity - num_sink_tokens} tokens; it needs a window that fits: window_size_left "
+            f"from 0 to {cache_capacity - num_sink_tokens - 1}; got {window_size_left}")
+    return cache_capacity
 
 
 def _check_token_stride(k_cache, v_cache, limit: int, stage: int) -> None:
@@ -464,18 +572,18 @@ def _check_token_stride(k_cache, v_cache, limit: int, stage: int) -> None:
             )
 
 
-def _check_kv_scales(k_scale, v_scale, *, fp8: bool, cache_dtype, heads_kv: int) -> None:
-    """An FP8 cache needs both scales: float32, [H_kv] or a scalar tensor; a 16-bit cache takes none."""
+def _check_kv_scales(k_scale, v_scale, *, quantized: bool, cache_dtype, heads_kv: int) -> None:
+    """A quantized cache needs both scales: float32, [H_kv] or a scalar tensor; a 16-bit cache takes none."""
     import torch
 
-    if not fp8:
+    if not quantized:
         if k_scale is not None or v_scale is not None:
-            raise ValueError(f"k_scale and v_scale describe an FP8 cache (torch.float8_e4m3fn); the cache is "
-                             f"{cache_dtype}, so pass neither")
+            raise ValueError(f"k_scale and v_scale describe a quantized cache (torch.float8_e4m3fn or torch.int8); "
+                             f"the cache is {cache_dtype}, so pass neither")
         return
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
-            raise ValueError(f"an FP8 cache needs {name}: the cache holds K / k_scale and V / v_scale "
+            raise ValueError(f"a {cache_dtype} cache needs {name}: the cache holds K / k_scale and V / v_scale "
                              "(course.runtime.kv_cache.quantize_kv_cache returns both)")
         if not isinstance(scale, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (float32, [H_kv] or a scalar); got {type(scale).__name__}")
@@ -509,7 +617,9 @@ def check_decode_values(cache_seqlens, block_table, shape: DecodeInputShape, k_s
 
 
 def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) -> None:
-    """The values: 0 <= cache_seqlens[b] <= capacity, and every page a sequence uses is in the pool.
+    """The values: 0 <= cache_seqlens[b] <= capacity (one less with a fused append, which writes row
+    cache_seqlens[b]; any length in a rolling cache), a rotated position within rotary_cos, and every
+    page a sequence uses is in the pool.
 
     Reads cache_seqlens (and block_table) on the host: one device-to-host copy
     each when they live on the GPU. A length of 0 is allowed (no visible key:
@@ -522,16 +632,26 @@ def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) ->
     if len(negative):
         b = int(negative[0])
         raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is negative; lengths must be >= 0")
-    too_long = (lengths > shape.capacity).nonzero()
-    if len(too_long):
+    keys = lengths + 1 if shape.appends else lengths  # the rows the call reads (and writes)
+    too_long = (keys > shape.capacity).nonzero()
+    if not shape.rolling and len(too_long):
         b = int(too_long[0])
         where = ("S_max = k_cache.shape[1]" if block_table is None
                  else "max_pages * page_size = block_table.shape[1] * k_cache.shape[1]")
-        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is larger than the cache: at most "
+        appended = " and the appended token" if shape.appends else ""
+        raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])}{appended} is larger than the cache: at most "
                          f"{shape.capacity} keys ({where})")
+    if shape.rotary_positions:
+        beyond = (lengths >= shape.rotary_positions).nonzero()
+        if len(beyond):
+            b = int(beyond[0])
+            raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is the new token's position, but rotary_cos "
+                             f"and rotary_sin have {shape.rotary_positions} rows (positions 0 .. "
+                             f"{shape.rotary_positions - 1})")
     if block_table is not None:
+        rows = keys.clamp(max=shape.rolling) if shape.rolling else keys
         table = block_table.detach().to("cpu", torch.int64)
-        needed = (lengths + shape.page_size - 1) // shape.page_size
+        needed = (rows + shape.page_size - 1) // shape.page_size
         used = torch.arange(table.shape[1])[None, :] < needed[:, None]
         bad = (used & ((table < 0) | (table >= shape.num_pages))).nonzero()
         if len(bad):

@@ -209,48 +209,138 @@ def random_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_si
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=table.to(device))
 
 
+def rotary_tables(positions: int, rotary_dim: int, dtype, *, base: float = 10000.0, device="cuda"):
+    """(cos, sin) [positions, rotary_dim / 2] in ``dtype``: RoPE's angles t x base^(-2i / rotary_dim)."""
+    inv_freq = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def alibi_slopes(heads: int, device="cuda") -> torch.Tensor:
+    """ALiBi's slopes [heads] float32: 2^(-8 (h + 1) / heads) (the paper's geometric sequence)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32, device=device)
+
+
+def append_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_size=None, device="cuda",
+                         seed=0) -> dict:
+    """``random_decode_inputs`` with room for one more token per sequence (the row at position
+    lengths[b] is NaN, and in the cache's pages) and that token's ``k_new``, ``v_new`` [B, H_kv, D]."""
+    lengths = [int(n) for n in lengths]
+    inputs = random_decode_inputs([n + 1 for n in lengths], heads_q, heads_kv, head_dim, dtype,
+                                  page_size=page_size, device=device, seed=seed)
+    for b, n in enumerate(lengths):
+        for cache in (inputs["k_cache"], inputs["v_cache"]):
+            if page_size is None:
+                cache[b, n] = float("nan")
+            else:
+                cache[int(inputs["block_table"][b, n // page_size]), n % page_size] = float("nan")
+    inputs["cache_seqlens"] = torch.tensor(lengths, dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    new = [torch.randn(len(lengths), heads_kv, head_dim, generator=gen, device=device).to(dtype) for _ in range(2)]
+    return {**inputs, "k_new": new[0], "v_new": new[1]}
+
+
+def rolling_decode_inputs(lengths, capacity: int, heads_q, heads_kv, head_dim, dtype, *, page_size=None,
+                          device="cuda", seed=0) -> dict:
+    """Decode inputs on a rolling cache of ``capacity`` rows per sequence (``cache_capacity``): every row a
+    sequence has written holds a token (the latest one of its slot), rows it has not reached yet are NaN.
+    Lengths may exceed the capacity. Paged: ceil(capacity / page_size) shuffled pages per sequence."""
+    lengths = [int(n) for n in lengths]
+    inputs = random_decode_inputs([min(n, capacity) for n in lengths], heads_q, heads_kv, head_dim, dtype,
+                                  page_size=page_size, capacity=capacity, device=device, seed=seed)
+    if page_size is not None:  # every sequence gets its ring's pages, including those past its length
+        pages = -(-capacity // page_size)
+        table = torch.arange(len(lengths) * pages, dtype=torch.int32).view(len(lengths), pages)
+        order = torch.randperm(table.numel(), generator=torch.Generator().manual_seed(seed))
+        table = table.flatten()[order].view_as(table)
+        pool = torch.full((table.numel(), page_size, heads_kv, head_dim), float("nan"), dtype=dtype, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed + 2)
+        k_pool, v_pool = pool, pool.clone()
+        for b, n in enumerate(lengths):
+            for cache in (k_pool, v_pool):
+                rows = torch.randn(pages * page_size, heads_kv, head_dim, generator=gen, device=device).to(dtype)
+                rows[min(n, capacity):] = float("nan")
+                cache[table[b].long().to(device)] = rows.view(pages, page_size, heads_kv, head_dim)
+        inputs.update(k_cache=k_pool, v_cache=v_pool, block_table=table.to(device))
+    inputs["cache_seqlens"] = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return inputs
+
+
 def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
-                           window_size_left=-1, sink_logits=None, num_sink_tokens=0):
-    """PyTorch's SDPA in the inputs' precision, sequence by sequence, with the decode contract's masks and sink."""
+                           window_size_left=-1, sink_logits=None, num_sink_tokens=0, alibi_slopes=None,
+                           cache_capacity=None):
+    """PyTorch's SDPA in the inputs' precision, sequence by sequence, with the decode contract's masks, sink,
+    ALiBi bias and rolling cache (no append: ``compare_decode_with_reference`` appends first)."""
     import torch.nn.functional as F
 
     h_q, h_kv = q.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     for b, seqlen in enumerate(cache_seqlens.tolist()):
-        k, v = reference.decode_keys_values(k_cache, v_cache, b, seqlen, block_table)
-        kh, vh = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]          # [1, H_kv, L, D]
         visible = reference.decode_visible_keys(seqlen, window_size_left=window_size_left,
                                                 num_sink_tokens=num_sink_tokens, device=q.device)
-        bias = torch.zeros(1, h_q, 1, seqlen, device=q.device, dtype=q.dtype).masked_fill(~visible, -math.inf)
+        positions = visible.nonzero().flatten()
+        k, v = reference.decode_keys_values(k_cache, v_cache, b, positions, block_table,
+                                            num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity)
+        kh, vh = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]          # [1, H_kv, n, D]
+        bias = torch.zeros(1, h_q, 1, len(positions), device=q.device, dtype=torch.float32)
+        if alibi_slopes is not None:
+            bias = bias - alibi_slopes.float().view(1, h_q, 1, 1) * (seqlen - 1 - positions).float()
+        bias = bias.to(q.dtype)
         if sink_logits is not None:
             zeros = kh.new_zeros(1, h_kv, 1, kh.shape[3])
             kh, vh = torch.cat([kh, zeros], dim=2), torch.cat([vh, zeros], dim=2)
             bias = torch.cat([bias, sink_logits.to(q.dtype).view(1, h_q, 1, 1)], dim=-1)
         if kh.shape[2] == 0:
             continue  # no key and no sink: O = 0
-        o = F.scaled_dot_product_attention(q[b][None, :, None, :], kh, vh, attn_mask=bias, scale=softmax_scale,
+        o = F.scaled_dot_product_attention(q[b][None, :, None, :], kh, vh, attn_mask=bias, scale=scale,
                                            enable_gqa=h_kv != h_q)
         out[b] = torch.nan_to_num(o[0, :, 0], nan=0.0)
     return out
+
+
+APPEND_FEATURES = ("k_new", "v_new", "rotary_cos", "rotary_sin", "rotary_interleaved")
+
+
+def appended_decode_inputs(inputs: dict, features: dict) -> tuple[dict, dict]:
+    """(inputs, features) of the same decode step with the new token already appended: the caches (copies)
+    hold it (``reference.append_to_cache``), q is rotated, cache_seqlens counts it, and the append
+    options are gone. Without ``k_new``: the arguments unchanged."""
+    if features.get("k_new") is None:
+        return inputs, {k: v for k, v in features.items() if k not in APPEND_FEATURES}
+    k_cache, v_cache = reference.append_to_cache(
+        inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], features["k_new"], features["v_new"],
+        block_table=inputs.get("block_table"), rotary_cos=features.get("rotary_cos"),
+        rotary_sin=features.get("rotary_sin"), rotary_interleaved=features.get("rotary_interleaved", False),
+        k_scale=features.get("k_scale"), v_scale=features.get("v_scale"),
+        num_sink_tokens=features.get("num_sink_tokens", 0), cache_capacity=features.get("cache_capacity"))
+    q = inputs["q"]
+    if features.get("rotary_cos") is not None:
+        q = reference.rotary(q, features["rotary_cos"], features["rotary_sin"], inputs["cache_seqlens"],
+                             features.get("rotary_interleaved", False))
+    return ({**inputs, "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": inputs["cache_seqlens"] + 1},
+            {k: v for k, v in features.items() if k not in APPEND_FEATURES})
 
 
 def compare_decode_with_reference(out, *, q, k_cache, v_cache, cache_seqlens, block_table=None,
                                   **features) -> ErrorReport:
     """Errors of a decode output and of PyTorch's own attention against the float64 reference.
 
-    An FP8 cache (``k_scale``, ``v_scale`` among the features): the reference
+    A quantized cache (``k_scale``, ``v_scale`` among the features): the reference
     dequantizes it in float64, and PyTorch's attention runs in q's dtype on the
     same dequantized cache, so the tolerance is PyTorch's error on the values
-    the FP8 cache stands for.
+    the quantized cache stands for. A fused append (``k_new``): both run on the
+    cache with the new token appended and q rotated as the contract says.
     """
     from course.runtime import kv_cache
 
     inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
+    inputs, features = appended_decode_inputs(inputs, features)
     ref = reference.decode_attention(**inputs, **features).float()
     k_scale, v_scale = features.pop("k_scale", None), features.pop("v_scale", None)
     if k_scale is not None:
-        inputs.update(k_cache=kv_cache.dequantize(k_cache, k_scale, q.dtype),
-                      v_cache=kv_cache.dequantize(v_cache, v_scale, q.dtype))
+        inputs.update(k_cache=kv_cache.dequantize(inputs["k_cache"], k_scale, q.dtype),
+                      v_cache=kv_cache.dequantize(inputs["v_cache"], v_scale, q.dtype))
     baseline = torch_decode_attention(**inputs, **features).float()
     diff = (out.float() - ref).abs()
     base = (baseline - ref).abs()

@@ -128,35 +128,117 @@ def decode_visible_keys(seqlen: int, *, window_size_left: int = -1, num_sink_tok
     return visible
 
 
-def decode_keys_values(k_cache, v_cache, batch: int, seqlen: int, block_table=None):
-    """The first ``seqlen`` cached K and V rows [seqlen, H_kv, D] of sequence ``batch``.
+def cache_slot(position, *, num_sink_tokens: int = 0, cache_capacity=None):
+    """The cache row of token ``position`` (an int or a tensor): the position itself, or in a rolling cache
+    of ``cache_capacity`` rows the first ``num_sink_tokens`` rows fixed and the rest a ring:
+    num_sink_tokens + (position - num_sink_tokens) mod (cache_capacity - num_sink_tokens)."""
+    if cache_capacity is None:
+        return position
+    ring = cache_capacity - num_sink_tokens
+    rolled = num_sink_tokens + (position - num_sink_tokens) % ring
+    if isinstance(position, torch.Tensor):
+        return torch.where(position < num_sink_tokens, position, rolled)
+    return position if position < num_sink_tokens else rolled
 
-    A paged cache [num_pages, page_size, H_kv, D] is gathered through
-    block_table[batch]: key j lives in page block_table[batch, j // page_size]
-    at row j % page_size.
+
+def decode_keys_values(k_cache, v_cache, batch: int, positions, block_table=None, *, num_sink_tokens: int = 0,
+                       cache_capacity=None):
+    """The cached K and V rows [len(positions), H_kv, D] of sequence ``batch``'s tokens ``positions`` (an int n:
+    tokens 0 .. n - 1).
+
+    Token j lives in cache row ``cache_slot(j)`` (j itself unless the cache is
+    rolling); a paged cache [num_pages, page_size, H_kv, D] is gathered through
+    block_table[batch]: row r lives in page block_table[batch, r // page_size]
+    at row r % page_size.
     """
+    if isinstance(positions, int):
+        positions = torch.arange(positions, device=k_cache.device)
+    rows = cache_slot(positions.to(k_cache.device), num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity)
     if block_table is None:
-        return k_cache[batch, :seqlen], v_cache[batch, :seqlen]
+        return k_cache[batch, rows], v_cache[batch, rows]
     page_size = k_cache.shape[1]
-    j = torch.arange(seqlen, device=k_cache.device)
-    pages = block_table[batch].to(device=k_cache.device, dtype=torch.long)[j // page_size]
-    return k_cache[pages, j % page_size], v_cache[pages, j % page_size]
+    pages = block_table[batch].to(device=k_cache.device, dtype=torch.long)[rows // page_size]
+    return k_cache[pages, rows % page_size], v_cache[pages, rows % page_size]
+
+
+def rotary(x, cos, sin, positions, interleaved: bool = False):
+    """x [B, H, D] with rotary position embeddings at ``positions`` [B], in x's dtype.
+
+    cos, sin [S_rotary, rotary_dim / 2]: the first rotary_dim columns rotate, the
+    rest pass through. Column pairs (i, i + rotary_dim / 2) (GPT-NeoX, Llama,
+    GPT-OSS) or (2i, 2i + 1) (``interleaved``, GPT-J) rotate by angle i:
+    (a, b) -> (a cos - b sin, b cos + a sin), in float32 from x, cos and sin as
+    they are (16-bit products are exact in float32: one rounding, then one to x's dtype).
+    """
+    half = cos.shape[-1]
+    pos = positions.to(device=x.device, dtype=torch.long)
+    c = cos.to(x.device).float()[pos][:, None, :]  # [B, 1, rotary_dim / 2]
+    s = sin.to(x.device).float()[pos][:, None, :]
+    xf = x.float()
+    rot = xf[..., : 2 * half]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        rotated = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    return torch.cat((rotated, xf[..., 2 * half:]), dim=-1).to(x.dtype)
+
+
+def append_to_cache(k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_table=None, rotary_cos=None,
+                    rotary_sin=None, rotary_interleaved=False, k_scale=None, v_scale=None, num_sink_tokens=0,
+                    cache_capacity=None):
+    """Copies of the caches with each sequence's new token written at position cache_seqlens[b]: k_new
+    rotated (with rotary_cos/sin), both rounded to k_new's dtype, then quantized to the cache's dtype
+    with its scales (``kv_cache.quantize_rows``) for an FP8 or int8 cache."""
+    from course.runtime import kv_cache
+
+    positions = cache_seqlens.to(device=k_new.device, dtype=torch.long)
+    if rotary_cos is not None:
+        k_new = rotary(k_new, rotary_cos, rotary_sin, positions, rotary_interleaved)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for new, scale, cache in ((k_new, k_scale, k_cache), (v_new, v_scale, v_cache)):
+        rows = new
+        if cache.dtype in kv_cache.QUANTIZED_DTYPES:
+            rows = kv_cache.quantize_rows(new, scale.to(new.device).reshape(1, -1, 1).float(), cache.dtype)
+        for b, position in enumerate(positions.tolist()):
+            row = cache_slot(position, num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity)
+            if block_table is None:
+                cache[b, row] = rows[b].to(cache.device)
+            else:
+                page = int(block_table[b, row // cache.shape[1]])
+                cache[page, row % cache.shape[1]] = rows[b].to(cache.device)
+    return k_cache, v_cache
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, return_lse=False,
-                     k_scale=None, v_scale=None, dtype=torch.float64):
+                     k_scale=None, v_scale=None, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None,
+                     rotary_interleaved=False, alibi_slopes=None, cache_capacity=None, dtype=torch.float64):
     """O [B, H_q, D] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D] or paged [num_pages,
     page_size, H_kv, D] with block_table [B, max_pages]; cache_seqlens [B].
-    An FP8 cache comes with ``k_scale``, ``v_scale`` ([H_kv] or scalars): it
-    holds K / k_scale and V / v_scale, dequantized here in ``dtype``.
+    A quantized cache (FP8 or int8) comes with ``k_scale``, ``v_scale`` ([H_kv]
+    or scalars): it holds K / k_scale and V / v_scale, dequantized here in ``dtype``.
+    With ``k_new``, ``v_new`` [B, H_kv, D] the new token is appended first
+    (``append_to_cache``, on copies) at position cache_seqlens[b], and q and
+    k_new are rotated there with ``rotary_cos``/``rotary_sin`` (``rotary``).
+    ``alibi_slopes`` [H_q]: score - slope * (query position - key position).
+    ``cache_capacity``: a rolling cache (``cache_slot``).
     Sequence by sequence: the visible keys from ``decode_visible_keys``, then
     the same safe softmax as ``attention`` (sink logit in the denominator
     only). A sequence with no visible key gets O = 0 and LSE = -inf (or the
     sink logit).
     """
+    if k_new is not None:
+        k_cache, v_cache = append_to_cache(
+            k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table, rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, k_scale=k_scale, v_scale=v_scale,
+            num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity)
+        if rotary_cos is not None:
+            q = rotary(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved)
+        cache_seqlens = cache_seqlens + 1
     b, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     k_factor, v_factor = (torch.ones(1, 1, 1, dtype=dtype, device=q.device) if s is None
@@ -167,24 +249,29 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     lse = torch.full((b, h_q), -math.inf, dtype=torch.float32, device=q.device)
     lengths = [int(n) for n in cache_seqlens.tolist()]
     for bi, seqlen in enumerate(lengths):
-        k, v = decode_keys_values(k_cache, v_cache, bi, seqlen, block_table)
-        k, v = k.to(device=q.device, dtype=dtype) * k_factor, v.to(device=q.device, dtype=dtype) * v_factor
-        qb = q[bi].to(dtype).view(h_kv, group, d)                          # [H_kv, G, D]
-        scores = torch.einsum("hgd,jhd->hgj", qb, k) * scale              # [H_kv, G, L]
         mask = decode_visible_keys(seqlen, window_size_left=window_size_left,
                                    num_sink_tokens=num_sink_tokens, device=q.device)
-        scores = scores.masked_fill(~mask, -math.inf).reshape(h_q, seqlen)
-        row_max = scores.amax(dim=-1, keepdim=True) if seqlen else torch.full(
+        positions = mask.nonzero().flatten()
+        n = len(positions)
+        k, v = decode_keys_values(k_cache, v_cache, bi, positions, block_table, num_sink_tokens=num_sink_tokens,
+                                  cache_capacity=cache_capacity)
+        k, v = k.to(device=q.device, dtype=dtype) * k_factor, v.to(device=q.device, dtype=dtype) * v_factor
+        qb = q[bi].to(dtype).view(h_kv, group, d)                          # [H_kv, G, D]
+        scores = (torch.einsum("hgd,jhd->hgj", qb, k) * scale).reshape(h_q, n)
+        if alibi_slopes is not None:
+            distance = (seqlen - 1 - positions).to(dtype)                 # query position - key position
+            scores = scores - alibi_slopes.to(device=q.device, dtype=dtype).view(h_q, 1) * distance
+        row_max = scores.amax(dim=-1, keepdim=True) if n else torch.full(
             (h_q, 1), -math.inf, dtype=dtype, device=q.device)
         if sink_logits is not None:
             sink = sink_logits.to(device=q.device, dtype=dtype).view(h_q, 1)
             row_max = torch.maximum(row_max, sink)
         row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # nothing visible
-        p = torch.exp(scores - row_max)                                    # [H_q, L]
+        p = torch.exp(scores - row_max)                                    # [H_q, n]
         denom = p.sum(dim=-1, keepdim=True)
         if sink_logits is not None:
             denom = denom + torch.exp(sink - row_max)
-        pv = torch.einsum("hgj,jhd->hgd", p.view(h_kv, group, seqlen), v).reshape(h_q, d)
+        pv = torch.einsum("hgj,jhd->hgd", p.view(h_kv, group, n), v).reshape(h_q, d)
         o[bi] = pv / torch.where(denom > 0, denom, torch.ones_like(denom))
         lse[bi] = (torch.log(denom) + row_max).squeeze(-1).float()
     return (o, lse) if return_lse else o
