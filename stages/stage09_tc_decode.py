@@ -72,7 +72,9 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float16, Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import LoadCacheMode, cpasync, warp
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from course.runtime import launch, validation
@@ -133,7 +135,7 @@ RESCALE_THRESHOLD = 8.0
 # token strides (lane_copies): token strides from 2**27 elements on are rejected before launch.
 MAX_TOKEN_STRIDE = 2**27
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 255, (256, 2): 255, (64, 1): 166, (128, 1): 241, (256, 1): 254}
+REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 255, (256, 2): 255, (64, 1): 166, (128, 1): 226, (256, 1): 254}
 
 
 def cache_bytes(cache_dtype: str) -> int:
@@ -386,6 +388,27 @@ def quantize_value(x: Float32, scale: Float32, cache_dtype: cutlass.Constexpr) -
     if cutlass.const_expr(cache_dtype == "int8"):
         return cutlass.max(cutlass.min(cute.math.roundeven(y), Float32(127.0)), Float32(-127.0))
     return cutlass.max(cutlass.min(y, Float32(448.0)), Float32(-448.0))  # the e4m3 rounding is the store's
+
+
+# --8<-- [start:int8_pairs]
+# int8 -> fp16 two values at a time: 1024 + (b + 128) is an fp16 whose low byte is b + 128, so flipping
+# the sign bit of each byte and placing the byte under 0x64 (prmt) makes it; subtracting 1152 leaves b,
+# exactly. Per 4 values 1 xor, 2 prmt, 2 half2 subtractions, against a conversion per value otherwise.
+INT8_PAIR_SELECTORS = (0x5140, 0x5342)  # bytes (0, 1) and (2, 3) of the word, each under 0x64
+
+
+@dsl_user_op
+def int8_pair_to_f16x2(word: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """Two int8 values of ``word`` (the bytes ``selector`` picks) as an fp16 pair, exactly."""
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(word).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 biased, half2, bias;\n\t"
+        "xor.b32 biased, $1, 0x80808080;\n\t"
+        f"prmt.b32 half2, biased, 0x64646464, {selector:#x};\n\t"
+        "mov.b32 bias, 0x64806480;\n\t"
+        "sub.f16x2 $0, half2, bias;\n\t}",
+        "=r,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+# --8<-- [end:int8_pairs]
 
 
 @cute.jit
@@ -742,13 +765,20 @@ class TensorCoreDecode:
     # --8<-- [start:to_registers]
     @cute.jit
     def piece_to_registers(self, piece: cute.Tensor) -> cute.Tensor:
-        """One of this thread's ring pieces in registers, in the MMA's type: e4m3 -> fp16 on the way (exact)."""
+        """One of this thread's ring pieces in registers, in the MMA's type: e4m3 or int8 -> fp16 on the way
+        (exact)."""
         raw = cute.make_rmem_tensor((cute.size(piece),), self.cache_dtype)
         cute.autovec_copy(piece, raw)
         if cutlass.const_expr(not self.quantized):
             return raw
         converted = cute.make_rmem_tensor((cute.size(piece),), self.mma_dtype)
-        converted.store(raw.load().to(self.mma_dtype))
+        if cutlass.const_expr(self.cache_name == "int8"):
+            words, pairs = cute.recast_tensor(raw, Int32), cute.recast_tensor(converted, Int32)
+            for w in cutlass.range_constexpr(cute.size(words)):
+                for half in cutlass.range_constexpr(2):
+                    pairs[2 * w + half] = int8_pair_to_f16x2(words[w], INT8_PAIR_SELECTORS[half])
+        else:
+            converted.store(raw.load().to(self.mma_dtype))
         return converted
 
     @cute.jit

@@ -293,6 +293,9 @@ def test_cross_compiles_for_sm90a(stage, config):
     assert "st.relaxed.gpu.global" in ptx, "the last CTA resets its counter"
     if config.cache_dtype == "float8_e4m3fn":
         assert "cvt.rn.f16x2.e4m3x2" in ptx, "an FP8 cache is converted to fp16 in registers, two values at a time"
+    if config.cache_dtype == "int8":
+        assert "prmt.b32" in ptx and "cvt.rn.f16.s16" not in ptx, (
+            "an int8 cache is converted to fp16 two values at a time (int8_pair_to_f16x2), not one by one")
     if config.appends:
         assert "div.rn.f32" in ptx or config.cache_dtype not in stage.QUANTIZED, (
             "the appended row is quantized with an IEEE division, as kv_cache.quantize_rows divides")
@@ -722,3 +725,24 @@ def test_append_graph_replay_and_repeated_launches(stage, cache):
             torch.cuda.synchronize()
             assert torch.equal(out, first), f"CUDA graph replay {replay + 1} differs from an eager launch"
             assert all(torch.equal(bits(inputs[k]), bits(appended[k])) for k in appended)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", QUANTIZED)
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_consecutive_decode_steps(stage, layout, cache):
+    """Twenty steps as a serving loop runs them: each appends its token, the caller adds 1 to the lengths,
+    and the next step reads the rows the previous ones wrote from the cache (across a page boundary)."""
+    lengths, steps = [0, 7, 1000], 20
+    inputs = testing.random_decode_inputs([n + steps for n in lengths], 32, 8, 128, torch.float16,
+                                          page_size=LAYOUTS[layout], seed=12)
+    inputs, scales = quantized(inputs, cache)
+    inputs["cache_seqlens"] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    cos, sin = testing.rotary_tables(max(lengths) + steps, 128, torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for step in range(steps):
+        new = {name: torch.randn(3, 8, 128, generator=gen, device="cuda").half() for name in ("k_new", "v_new")}
+        features = dict(rotary_cos=cos, rotary_sin=sin, window_size_left=15, **scales, **new)
+        append_step(stage, inputs, features, f"{layout} {cache} step {step + 1}", num_splits=3)
+        inputs["q"] = torch.randn(inputs["q"].shape, generator=gen, device="cuda").half()
+        inputs["cache_seqlens"] += 1

@@ -134,6 +134,17 @@ def launch_stage(number: int) -> None:
                 inputs = testing.random_decode_inputs([300, 1000, 1], 32, 2, 128, torch.float16, page_size=32, seed=5)
                 module.decode_attention(**inputs, num_splits=3, return_lse=True, window_size_left=500,
                                         num_sink_tokens=2)
+            # The serving extras: the new token appended and rotated into a paged int8 cache, a rolling
+            # fp16 cache with ALiBi and an append that overwrites the row leaving the window.
+            inputs = testing.append_decode_inputs([0, 300, 31], 32, 8, 128, torch.bfloat16, page_size=16, seed=6)
+            new = {name: inputs.pop(name) for name in ("k_new", "v_new")}
+            cos, sin = testing.rotary_tables(400, 64, torch.bfloat16)
+            module.decode_attention(**kv_cache.quantized_decode_inputs(inputs, torch.int8), **new, rotary_cos=cos,
+                                    rotary_sin=sin, rotary_interleaved=True, num_splits=4, return_lse=True)
+            inputs = testing.rolling_decode_inputs([70, 500], 64, 16, 2, 128, torch.float16, seed=7)
+            new = {name: torch.randn(2, 2, 128, device="cuda", dtype=torch.float16) for name in ("k_new", "v_new")}
+            module.decode_attention(**inputs, **new, cache_capacity=64, window_size_left=50, num_sink_tokens=4,
+                                    alibi_slopes=testing.alibi_slopes(16), num_splits=3)
     elif stage.kind == "backward":  # the forward runs too: the sanitizer checks both
         for head_dim, options in ((64, {"causal": True}), (128, {"window_size": (100, 10), "num_sink_tokens": 3,
                                                                  "sink_logits": torch.linspace(-1, 1, 4, device="cuda")})):
