@@ -238,3 +238,81 @@ def test_attention_varlen_op(backed_by):
     fake = torch.ops.course.attention_varlen(*meta_args, **{k: v.to("meta") if isinstance(v, torch.Tensor) else v
                                                             for k, v in options.items()})
     assert (fake.device.type, fake.shape) == ("meta", out.shape)
+
+
+def append_inputs(device="cpu", dtype=torch.bfloat16):
+    """A decode step with a new token per sequence: (q, k_cache, v_cache, cache_seqlens, k_new, v_new), options."""
+    inputs = testing.append_decode_inputs([0, 17, 40], 8, 2, 64, dtype, device="cpu", seed=3)
+    cos, sin = testing.rotary_tables(64, 32, dtype, device="cpu")
+    args = tuple(inputs[name].to(device) for name in ("q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new"))
+    return args, dict(rotary_cos=cos.to(device), rotary_sin=sin.to(device), rotary_interleaved=True,
+                      alibi_slopes=testing.alibi_slopes(8, device=device), window_size_left=20, num_sink_tokens=2)
+
+
+def test_the_append_op_writes_the_cache_and_attends(backed_by):
+    """course::decode_attention_append with the reference backing: O as the reference computes it, the caches
+    holding the new rows (and nothing else changed), cache_seqlens unchanged; torch.compile (fullgraph)
+    keeps the write: a second compiled step reads it."""
+    backed_by(impl="reference")
+    (q, k_cache, v_cache, seqlens, k_new, v_new), options = append_inputs()
+    before = k_cache.clone(), v_cache.clone()
+    out = torch.ops.course.decode_attention_append(q, k_cache, v_cache, seqlens, k_new, v_new, **options)
+    expected = reference.decode_attention(q, *before, seqlens, k_new=k_new, v_new=v_new, **options)
+    torch.testing.assert_close(out, expected.to(q.dtype), rtol=0, atol=0)
+    appended = reference.append_to_cache(*before, seqlens, k_new, v_new, rotary_cos=options["rotary_cos"],
+                                         rotary_sin=options["rotary_sin"], rotary_interleaved=True)
+    assert all(torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)) for got, want in zip((k_cache, v_cache), appended))
+    assert seqlens.tolist() == [0, 17, 40]
+
+    def two_steps(q, q_rotated, k_cache, v_cache, seqlens, k_new, v_new):
+        first = torch.ops.course.decode_attention_append(q, k_cache, v_cache, seqlens, k_new, v_new, **options)
+        second = torch.ops.course.decode_attention(q_rotated, k_cache, v_cache, seqlens + 1, window_size_left=20,
+                                                   num_sink_tokens=2, alibi_slopes=options["alibi_slopes"])
+        return first, second
+
+    k_cache.copy_(before[0])
+    v_cache.copy_(before[1])
+    compiled = torch.compile(two_steps, fullgraph=True, backend="aot_eager")
+    q_rotated = reference.rotary(q, options["rotary_cos"], options["rotary_sin"], seqlens, True)
+    first, second = compiled(q, q_rotated, k_cache, v_cache, seqlens, k_new, v_new)
+    torch.testing.assert_close(first, out, rtol=0, atol=0)
+    torch.testing.assert_close(second, out, rtol=0, atol=0)  # the same keys, the new one read from the cache
+
+
+def test_opcheck_append(backed_by):
+    backed_by(impl="reference")
+    args, options = append_inputs()
+    torch.library.opcheck(torch.ops.course.decode_attention_append, args, options,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_decode_extras_need_stage_9(backed_by):
+    backed_by(decode=7, impl="solutions")
+    (q, k_cache, v_cache, seqlens), options = decode_inputs()
+    with pytest.raises(NotImplementedError, match="alibi_slopes is not implemented in stage 7; stage 9"):
+        torch.ops.course.decode_attention(q, k_cache, v_cache, seqlens, alibi_slopes=torch.ones(8), **options)
+
+
+@pytest.mark.gpu
+def test_append_op_on_the_kernels(backed_by, impl):
+    """course::decode_attention_append runs stage 9's fused step: the reference's O and cache rows, eagerly
+    and replayed in a CUDA graph (the caches reset before each replay: an append is not idempotent)."""
+    backed_by(impl=impl)
+    (q, k_cache, v_cache, seqlens, k_new, v_new), options = append_inputs(device="cuda")
+    pristine = k_cache.clone(), v_cache.clone()
+    out = torch.ops.course.decode_attention_append(q, k_cache, v_cache, seqlens, k_new, v_new, **options)
+    inputs = dict(q=q, k_cache=pristine[0], v_cache=pristine[1], cache_seqlens=seqlens, block_table=None)
+    testing.assert_decode_matches(out, inputs, "append op", k_new=k_new, v_new=v_new, **options)
+    written = k_cache.clone(), v_cache.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        replayed = torch.ops.course.decode_attention_append(q, k_cache, v_cache, seqlens, k_new, v_new, **options)
+    for _ in range(3):
+        k_cache.copy_(pristine[0])
+        v_cache.copy_(pristine[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)
+        assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip((k_cache, v_cache), written))

@@ -1,4 +1,5 @@
-"""The course's final kernels as PyTorch custom ops: ``course::attention`` and ``course::decode_attention``.
+"""The course's final kernels as PyTorch custom ops: ``course::attention``, ``course::decode_attention`` and
+``course::decode_attention_append`` (the decode step that writes the new token to the cache).
 
 Registered with ``torch.library``, each op has a fake (meta) implementation
 that only computes the output's shape, so ``torch.compile(fullgraph=True)``
@@ -118,8 +119,11 @@ def reference_attention_backward(do, q, k, v, out, lse, *, softmax_scale=None, c
 
 def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                                window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
-                               check_lengths=None, k_scale=None, v_scale=None):
+                               check_lengths=None, k_scale=None, v_scale=None, **extras):
     """course.testing.reference.decode_attention on inputs the decode kernel accepts; O in q's dtype.
+    ``extras``: stage 9's serving extras (``k_new``, ``v_new``, ``rotary_cos``, ``rotary_sin``,
+    ``rotary_interleaved``, ``alibi_slopes``, ``cache_capacity``); with ``k_new`` the caches get the new rows,
+    in place, as the kernel writes them.
 
     The lengths (and scales) are on the host anyway: they are checked unless ``check_lengths=False``.
     """
@@ -127,13 +131,22 @@ def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_tabl
                                            softmax_scale=softmax_scale, window_size_left=window_size_left,
                                            sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
                                            num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
-                                           stage=_backing.decode)
+                                           stage=_backing.decode, **extras)
     if check_lengths is not False:
         validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale)
-    return reference.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                                      softmax_scale=softmax_scale, window_size_left=window_size_left,
-                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, k_scale=k_scale,
-                                      v_scale=v_scale).to(q.dtype)
+    out = reference.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                     softmax_scale=softmax_scale, window_size_left=window_size_left,
+                                     sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, k_scale=k_scale,
+                                     v_scale=v_scale, **extras).to(q.dtype)
+    if extras.get("k_new") is not None:
+        appended = reference.append_to_cache(
+            k_cache, v_cache, cache_seqlens, extras["k_new"], extras["v_new"], block_table=block_table,
+            rotary_cos=extras.get("rotary_cos"), rotary_sin=extras.get("rotary_sin"),
+            rotary_interleaved=extras.get("rotary_interleaved", False), k_scale=k_scale, v_scale=v_scale,
+            num_sink_tokens=num_sink_tokens, cache_capacity=extras.get("cache_capacity"))
+        k_cache.copy_(appended[0])
+        v_cache.copy_(appended[1])
+    return out
 
 
 def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
@@ -306,32 +319,77 @@ torch.library.register_autograd("course::attention", _attention_grads, setup_con
 # --8<-- [end:backward_op]
 
 
+_DECODE_OPTIONS = ("Tensor? block_table=None, Tensor? sink_logits=None, float? softmax_scale=None, "
+                   "int window_size_left=-1, int num_sink_tokens=0, int num_splits=0, bool? check_lengths=None, "
+                   "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? alibi_slopes=None, int? cache_capacity=None")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
-                "Tensor? block_table=None, Tensor? sink_logits=None, float? softmax_scale=None, "
-                "int window_size_left=-1, int num_sink_tokens=0, int num_splits=0, bool? check_lengths=None, "
-                "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor")
+                f"{_DECODE_OPTIONS}) -> Tensor")
+# The same step with the new token written to the cache: the caches are mutated (a!, b!), so that
+# torch.compile and CUDA graphs keep the write in order with the reads of later steps.
+_LIBRARY.define("decode_attention_append(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+                "Tensor k_new, Tensor v_new, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+                f"bool rotary_interleaved=False, {_DECODE_OPTIONS}) -> Tensor")
+
+
+def _decode_extras(**extras) -> dict:
+    """The stage-9 arguments a call uses: an earlier decode stage has no such keyword, and says so."""
+    given = {name: value for name, value in extras.items() if value is not None and value is not False}
+    if given and _backing.decode < validation.DECODE_EXTRAS_STAGE[0] and _backing.impl != "reference":
+        stage, what = validation.DECODE_EXTRAS_STAGE
+        raise NotImplementedError(f"{next(iter(given))} is not implemented in stage {_backing.decode}; stage "
+                                  f"{stage} ({what}) adds it")
+    return given
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None, softmax_scale=None,
                      window_size_left=-1, num_sink_tokens=0, num_splits=0, check_lengths=None, k_scale=None,
-                     v_scale=None):
+                     v_scale=None, alibi_slopes=None, cache_capacity=None):
     """Decode attention (docs/contract.md): one query token per sequence, O [B, H_q, D].
 
     ``check_lengths``: as the stage's ``decode_attention`` (``None``: only
     with ``COURSE_CHECK_LENGTHS=1``, as reading the lengths on the host waits
-    for the GPU). An FP8 cache comes with ``k_scale`` and ``v_scale`` (stage 9).
+    for the GPU). A quantized (FP8 or int8) cache comes with ``k_scale`` and
+    ``v_scale``; ``alibi_slopes`` and a rolling cache (``cache_capacity``) as
+    stage 9 takes them.
     """
-    scales = {} if k_scale is None and v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     return decode_function()(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                              softmax_scale=softmax_scale, window_size_left=window_size_left,
                              sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, num_splits=num_splits,
-                             check_lengths=check_lengths, **scales)
+                             check_lengths=check_lengths,
+                             **_decode_extras(k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                                              cache_capacity=cache_capacity))
 
 
 @torch.library.register_fake("course::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None,
                            softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
-                           check_lengths=None, k_scale=None, v_scale=None):
+                           check_lengths=None, k_scale=None, v_scale=None, alibi_slopes=None, cache_capacity=None):
+    return q.new_empty(q.shape)
+
+
+def decode_attention_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=False, block_table=None, sink_logits=None, softmax_scale=None,
+                            window_size_left=-1, num_sink_tokens=0, num_splits=0, check_lengths=None, k_scale=None,
+                            v_scale=None, alibi_slopes=None, cache_capacity=None):
+    """One decode step that appends its token (docs/contract.md, the serving extras): k_new and v_new
+    [B, H_kv, D] are written to the caches at position cache_seqlens[b] (rotated with rotary_cos/sin),
+    and the query attends to the cache_seqlens[b] + 1 keys. cache_seqlens is not changed."""
+    return decode_function()(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                             softmax_scale=softmax_scale, window_size_left=window_size_left,
+                             sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, num_splits=num_splits,
+                             check_lengths=check_lengths,
+                             **_decode_extras(k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                              rotary_interleaved=rotary_interleaved, k_scale=k_scale,
+                                              v_scale=v_scale, alibi_slopes=alibi_slopes,
+                                              cache_capacity=cache_capacity))
+
+
+@torch.library.register_fake("course::decode_attention_append")
+def _decode_attention_append_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, rotary_cos=None,
+                                  rotary_sin=None, rotary_interleaved=False, block_table=None, sink_logits=None,
+                                  softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
+                                  check_lengths=None, k_scale=None, v_scale=None, alibi_slopes=None,
+                                  cache_capacity=None):
     return q.new_empty(q.shape)
 
 
@@ -363,6 +421,7 @@ _LIBRARY.impl("attention", _attention_with_lse, "CompositeExplicitAutograd")
 _LIBRARY.impl("attention_backward", attention_backward, "CompositeExplicitAutograd")
 _LIBRARY.impl("attention_varlen", attention_varlen, "CompositeExplicitAutograd")
 _LIBRARY.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
+_LIBRARY.impl("decode_attention_append", decode_attention_append, "CompositeExplicitAutograd")
 
 
 def _no_backward(op_name: str):
