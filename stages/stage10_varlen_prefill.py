@@ -281,6 +281,40 @@ def store_o_rows_bounded(acc_O: cute.Tensor, gO: cute.Tensor, pv_mma_wg: cute.Ti
 # --8<-- [end:bounded_store]
 
 
+# --8<-- [start:alibi]
+class AlibiMask(WindowMask):
+    """Stage 8's mask plus ALiBi: every score gets - slope x |query position - key position| (bottom-right
+    aligned positions, as the mask's), before the mask. The scores are raw (the softmax scale multiplies
+    them inside the exponent), so the slope comes in raw units, slope / softmax_scale. Every tile gets the
+    bias, so every step is a masked step: the loop without masks is never taken."""
+
+    def __init__(self, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, tile_m: int, tile_n: int,
+                 slope_raw):
+        super().__init__(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, tile_m, tile_n)
+        self.slope_raw = slope_raw
+
+    @cute.jit
+    def apply(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
+        s = rows_cols_view(acc_S)
+        coord = rows_cols_view(tScS)
+        key0 = n_block * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            diagonal = self.row0 + coord[r, 0][0] + self.offset  # the row's query position
+            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                distance = diagonal - (key0 + coord[r, c][1])
+                s[r, c] = s[r, c] - self.slope_raw * cutlass.Float32(cutlass.max(distance, -distance))
+        WindowMask.apply(self, acc_S, tScS, n_block)
+
+    @cute.jit
+    def tile_is_partial(self, n_block: cutlass.Int32):
+        return n_block >= 0  # every tile gets the bias
+
+    @cute.jit
+    def unmasked_steps(self, n_block_min: cutlass.Int32, n_block_max: cutlass.Int32):
+        return cutlass.Int32(1), cutlass.Int32(1)  # no step without the mask (see attend_kv_tiles_overlapped)
+# --8<-- [end:alibi]
+
+
 class VarlenAttention(Attention):
     """Stage 8's kernel over packed variable-length sequences, K and V packed or paged (``varlen.VarlenConfig``)."""
 
@@ -307,6 +341,7 @@ class VarlenAttention(Attention):
         mCuSeqlensK: cute.Tensor,
         mSeqUsedK: cute.Tensor,
         mBlockTable: cute.Tensor,
+        mAlibi: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -339,8 +374,8 @@ class VarlenAttention(Attention):
         scheduler = self.varlen_scheduler(mQ, mCuSeqlensQ)
         self.kernel(
             qk_mma, pv_mma, pv_mma_wg, tma_q, tma_mQ, tma_k, tma_mK, tma_v, tma_mV, tma_o, tma_mO, mO,
-            mLSE, mSinks, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable, scale_log2, window_left, window_right,
-            num_sink_tokens, write_lse, sQ_layout, sK_layout, sV_layout, sO_layout,
+            mLSE, mSinks, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable, mAlibi, scale_log2, window_left,
+            window_right, num_sink_tokens, write_lse, sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(grid=scheduler.grid(launch.sm_count()), block=[self.num_threads, 1, 1], stream=stream)
 
     def varlen_scheduler(self, mQ: cute.Tensor, mCuSeqlensQ: cute.Tensor) -> VarlenTileScheduler:
@@ -378,6 +413,7 @@ class VarlenAttention(Attention):
         mCuSeqlensK: cute.Tensor,
         mSeqUsedK: cute.Tensor,
         mBlockTable: cute.Tensor,
+        mAlibi: cute.Tensor,
         scale_log2: cutlass.Float32,
         window_left: cutlass.Int32,
         window_right: cutlass.Int32,
@@ -408,7 +444,7 @@ class VarlenAttention(Attention):
             cute.arch.setmaxregister_increase(REGISTERS[self.num_wgs][1])
             self.mma(self.varlen_scheduler(mQ, mCuSeqlensQ), qk_mma, pv_mma, pv_mma_wg, tma_o, mQ, mK, tma_mO, mO,
                      mLSE, mSinks, sequences, sK, sQ, sV, sO, pipeline_q, pipeline_k, pipeline_v, scale_log2, window,
-                     write_lse)
+                     write_lse, mAlibi)
         else:
             cute.arch.setmaxregister_decrease(REGISTERS[self.num_wgs][0])
             if warp_idx == 0:
@@ -497,7 +533,7 @@ class VarlenAttention(Attention):
             pv_mma_wg: cute.TiledMma, tma_o: cute.CopyAtom, mQ: cute.Tensor, mK: cute.Tensor, tma_mO: cute.Tensor,
             mO: cute.Tensor, mLSE: cute.Tensor, mSinks: cute.Tensor, sequences, sK: cute.Tensor, sQ: cute.Tensor,
             sV: cute.Tensor, sO: cute.Tensor, pipeline_q, pipeline_k, pipeline_v, scale_log2: cutlass.Float32,
-            window, write_lse: cutlass.Int32):
+            window, write_lse: cutlass.Int32, mAlibi: cute.Tensor):
         """An MMA warpgroup: stage 8's, with each tile's sequence, and O rows stored only inside it."""
         mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable = sequences
         window_left, window_right, num_sink_tokens = window
@@ -540,6 +576,9 @@ class VarlenAttention(Attention):
                 m_block, head = coords(tile - batch_start, seqlen_q, seqlen_k)
                 mask = WindowMask(m_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens,
                                   self.config, self.tile_m, self.tile_n)
+                if cutlass.const_expr(self.config.has_alibi):  # the tile's head's slope, in raw score units
+                    mask = AlibiMask(m_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens,
+                                     self.config, self.tile_m, self.tile_n, mAlibi[head] * LOG2_E / scale_log2)
                 n_block_min, n_block_max = mask.kv_block_range()
                 n_tiles = mask.sink_block_count(n_block_min) + n_block_max - n_block_min
                 row_max.fill(-cutlass.Float32.inf)
@@ -585,27 +624,29 @@ def cross_compile_config(config: varlen.VarlenConfig, keep: bool = False):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
                      block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
-                     num_sink_tokens=0, return_lse=False, out=None, check_lengths=None):
+                     num_sink_tokens=0, return_lse=False, out=None, check_lengths=None, alibi_slopes=None):
     """Attention over packed sequences of different lengths; the contract is docs/contract.md.
 
     ``q`` [total_q, H_q, D]; ``k``, ``v`` [total_k, H_kv, D] with ``cu_seqlens_k``, or a paged cache
     [num_pages, page_size, H_kv, D] with ``block_table`` [B, max_pages] and ``seqused_k`` [B] (then
     ``cu_seqlens_k`` is None). Returns O [total_q, H_q, D_v] (and LSE [H_q, total_q] float32 with
-    ``return_lse``).
+    ``return_lse``). ``alibi_slopes`` [H_q] float32: each score gets - slope x |query position - key position|
+    (positions bottom-right aligned, as the masks').
     """
     return varlen.attention_varlen(
         STAGE, VarlenAttention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse,
-        out=out, check_lengths=check_lengths)
+        out=out, check_lengths=check_lengths, alibi_slopes=alibi_slopes)
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-              sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
-    """Stage 8's ``attention`` on [B, S, H, D], run as B packed sequences of one length by this stage's kernel."""
+              sink_logits=None, num_sink_tokens=0, return_lse=False, out=None, alibi_slopes=None):
+    """Stage 8's ``attention`` on [B, S, H, D], run as B packed sequences of one length by this stage's kernel
+    (``alibi_slopes`` as ``attention_varlen``'s)."""
     return varlen.attention_dense(STAGE, VarlenAttention, q, k, v, softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
-                                  return_lse=return_lse, out=out)
+                                  return_lse=return_lse, out=out, alibi_slopes=alibi_slopes)
 
 
 if __name__ == "__main__":

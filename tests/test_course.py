@@ -67,6 +67,27 @@ def test_reference_matches_brute_force(s_q, s_k, case):
     torch.testing.assert_close(lse.double(), lse_bf, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("s_q, s_k", [(5, 7), (7, 5)])
+def test_reference_alibi_matches_brute_force(s_q, s_k):
+    """ALiBi: - slope_h x |query position - key position| on the scaled logit, positions bottom-right aligned;
+    a decode step (one query, the last position) is the same as a prefill row there."""
+    gen = torch.Generator().manual_seed(s_q + s_k)
+    q, k, v = torch.randn(1, s_q, 4, 8, generator=gen), torch.randn(1, s_k, 2, 8, generator=gen), \
+        torch.randn(1, s_k, 2, 8, generator=gen)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 1.0])
+    o = reference.attention(q, k, v, alibi_slopes=slopes)
+    offset = s_k - s_q
+    for h in range(4):
+        for i in range(s_q):
+            logits = torch.tensor([float(q[0, i, h].double() @ k[0, j, h // 2].double()) * 8 ** -0.5
+                                   - float(slopes[h]) * abs(i + offset - j) for j in range(s_k)], dtype=torch.float64)
+            expected = torch.softmax(logits, 0) @ v[0, :, h // 2].double()
+            torch.testing.assert_close(o[0, i, h], expected, rtol=1e-9, atol=1e-9)
+    cache = {"k_cache": k, "v_cache": v, "cache_seqlens": torch.tensor([s_k], dtype=torch.int32)}
+    last = reference.decode_attention(q[:, -1], **cache, alibi_slopes=slopes)  # the last row sits at s_k - 1
+    torch.testing.assert_close(last[0], o[0, -1], rtol=1e-9, atol=1e-9)
+
+
 def test_reference_empty_rows_are_zero_with_minus_inf_lse():
     q, k, v = (torch.randn(1, 4, 1, 8) for _ in range(3))
     o, lse = reference.attention(q, k, v, window_size=(0, 0), causal=True, return_lse=True)

@@ -51,6 +51,9 @@ BAD_VARLEN = {
     "max-seqlen": (lambda: cpu_varlen(max_seqlen_q=-1), ValueError, "max_seqlen_q"),
     "head-dim": (lambda: cpu_varlen(q=torch.zeros(8, 4, 72, dtype=torch.float16)), ValueError, "head_dim 72"),
     "out-shape": (lambda: cpu_varlen(out=torch.zeros(8, 4, 32, dtype=torch.float16)), ValueError, "out has shape"),
+    "alibi-dtype": (lambda: cpu_varlen(alibi_slopes=torch.ones(4, dtype=torch.float16)), TypeError, "float32"),
+    "alibi-shape": (lambda: cpu_varlen(alibi_slopes=torch.ones(2)), ValueError, r"alibi_slopes has shape \(2,\)"),
+    "alibi-valid-reaches-the-device-check": (lambda: cpu_varlen(alibi_slopes=torch.ones(4)), ValueError, "CUDA"),
 }
 
 
@@ -116,6 +119,8 @@ def run_varlen(stage, inputs, features, where, heads_q=8):
     return_lse = options.pop("return_lse", False)
     if options.pop("sinks", False):
         options["sink_logits"] = torch.linspace(-1.0, 2.0, heads_q, device="cuda")
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = testing.alibi_slopes(heads_q)
     out = torch.full((*inputs["q"].shape[:2], inputs["v"].shape[-1]), float("nan"), device="cuda",
                      dtype=inputs["q"].dtype)
     result = stage.attention_varlen(**inputs, out=out, return_lse=return_lse, check_lengths=True, **options)
@@ -148,6 +153,39 @@ def test_varlen_every_head_dim(stage, dims, layout):
         inputs = testing.random_varlen_inputs([300, 1, 129], [1000, 47, 129], 8, 1, d, torch.bfloat16, seed=d,
                                               head_dim_v=d_v, **LAYOUTS[layout])
         run_varlen(stage, inputs, features, f"stage 10, D={d}, D_v={d_v}, {layout}, {features}")
+
+
+ALIBI_FEATURES = {
+    "alibi": dict(alibi=True),
+    "alibi-causal": dict(alibi=True, causal=True),
+    "alibi-window-sinks-lse": dict(alibi=True, window_size=(100, 3), num_sink_tokens=4, sinks=True, return_lse=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("features", list(ALIBI_FEATURES))
+@pytest.mark.parametrize("layout", ["packed", "paged16", "paged64"])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128)], ids=["d64", "d128", "d192v128"])
+@pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
+def test_alibi(stage, dtype, dims, layout, features):
+    """ALiBi on ragged batches (S_q != S_k, chunked prefill, one-row sequences): the bias on every tile, the
+    paper's slopes, GQA 8/2, with masks, sinks and the LSE."""
+    d, d_v = dims
+    lengths_q, lengths_k = RAGGED["chunked-prefill"]
+    inputs = testing.random_varlen_inputs([*lengths_q, 1, 130], [*lengths_k, 1, 129], 8, 2, d, dtype, seed=d,
+                                          head_dim_v=d_v, **LAYOUTS[layout])
+    run_varlen(stage, inputs, ALIBI_FEATURES[features], f"stage 10 ALiBi, D={d}, {layout}, {features}, {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi_dense_attention(stage, causal):
+    """attention on [B, S, H, D] with ALiBi (S_q != S_k): the reference's bias, bottom-right aligned."""
+    q, k, v = testing.random_qkv(2, 300, 700, 8, 2, 128, torch.bfloat16, seed=5)
+    slopes = testing.alibi_slopes(8)
+    out = stage.attention(q, k, v, causal=causal, alibi_slopes=slopes, out=testing.poisoned_like(q))
+    testing.assert_attention_matches(out, q, k, v, f"stage 10 dense ALiBi causal={causal}", causal=causal,
+                                     alibi_slopes=slopes)
 
 
 @pytest.mark.gpu

@@ -469,7 +469,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     _check_kv_scales(k_scale, v_scale, quantized=quantized, cache_dtype=k_cache.dtype, heads_kv=h_kv)
     if out is not None:
         _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
-    _check_per_head("alibi_slopes", alibi_slopes, h_q, "one slope per query head: the bias is -slope x (query "
+    check_per_head("alibi_slopes", alibi_slopes, h_q, "one slope per query head: the bias is -slope x (query "
                     "position - key position)")
     rotary_dim, rotary_positions = _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved,
                                                  heads_kv=h_kv)
@@ -527,7 +527,7 @@ def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *
     return rotary_dim, positions
 
 
-def _check_per_head(name: str, t, heads: int, meaning: str) -> None:
+def check_per_head(name: str, t, heads: int, meaning: str) -> None:
     """An optional float32 [heads] contiguous tensor."""
     import torch
 

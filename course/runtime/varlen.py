@@ -6,7 +6,7 @@ and K, V either packed the same way (``cu_seqlens_k``) or in a paged cache
 [num_pages, page_size, H_kv, D] with ``block_table`` [B, max_pages] and
 ``seqused_k`` [B]. Its call signature is
 
-    (mQ, mK, mV, mO, mLSE, mSinks, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable,
+    (mQ, mK, mV, mO, mLSE, mSinks, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable, mAlibi,
      scale_log2, window_left, window_right, num_sink_tokens, write_lse, stream)
 
 The lengths stay on the GPU: the host reads only the tensors' sizes, so a
@@ -33,12 +33,13 @@ class VarlenConfig(KernelConfig):
 
     page_rows: int = 0            # paged K/V: rows per TMA copy, gcd(KV tile, page size); 0: packed K/V
     has_seqused_k: bool = False   # packed K/V with seqused_k: the slots past it may hold anything
+    has_alibi: bool = False       # ALiBi slopes: a bias on every tile's scores
 
     @property
     def name(self) -> str:
-        """stage 8's name, then ``_p16`` (paged, 16 rows per copy) or ``_u`` (seqused_k)."""
+        """stage 8's name, then ``_p16`` (paged, 16 rows per copy) or ``_u`` (seqused_k), and ``_alibi``."""
         kv = f"_p{self.page_rows}" if self.page_rows else ("_u" if self.has_seqused_k else "")
-        return super().name + kv
+        return super().name + kv + ("_alibi" if self.has_alibi else "")
 
 
 def page_rows(tile_n: int, page_size: int) -> int:
@@ -58,6 +59,8 @@ def kernel_configs(stage: int) -> list[VarlenConfig]:
     others = [pair for pair in validation.HEAD_DIMS_FROM_STAGE_8 if pair not in validation.HEAD_DIMS_BEFORE_STAGE_8]
     configs += [VarlenConfig(prefill.DTYPES[i % 2], d, head_dim_v=d_v if d_v != d else 0, page_rows=16, **every)
                 for i, (d, d_v) in enumerate(others)]
+    configs += [VarlenConfig("bfloat16", 64, has_right=True, has_alibi=True),  # ALiBi: causal, and with everything
+                VarlenConfig("float16", 128, page_rows=64, has_alibi=True, **every)]
     return configs + [VarlenConfig("float16", 128, page_rows=128, **every)]
 
 
@@ -81,7 +84,8 @@ def fake_arguments(config: VarlenConfig) -> tuple:
     sinks = symbolic_tensor(torch.float32, ("H_q",), symbols=symbols, align=4, stride_divisibility=1)
     cu_q, cu_k = small(torch.int32, ("b1",)), small(torch.int32, ("b1k",))
     seqused, table = small(torch.int32, ("b",)), small(torch.int32, ("bt", "max_pages"))
-    return (q, k, v, o, lse, sinks, cu_q, cu_k, seqused, table, cutlass.Float32(1.0), cutlass.Int32(0),
+    alibi = small(torch.float32, ("H_alibi",))
+    return (q, k, v, o, lse, sinks, cu_q, cu_k, seqused, table, alibi, cutlass.Float32(1.0), cutlass.Int32(0),
             cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0))
 
 
@@ -98,7 +102,8 @@ _PLANS: dict = {}
 
 def attention_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_k=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                     sink_logits=None, num_sink_tokens=0, return_lse=False, out=None, check_lengths=None):
+                     sink_logits=None, num_sink_tokens=0, return_lse=False, out=None, check_lengths=None,
+                     alibi_slopes=None):
     """Validate (once per signature), compile once per configuration, launch; return O (and LSE [H_q, total_q]).
 
     With ``check_lengths`` (or ``COURSE_CHECK_LENGTHS=1``) the offsets, lengths and pages are read on
@@ -106,35 +111,42 @@ def attention_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens
     """
     key = (kernel_class, *launch.signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                            seqused_k, block_table, softmax_scale, causal, window_size, sink_logits,
-                                           num_sink_tokens, return_lse, out))
+                                           num_sink_tokens, return_lse, out, alibi_slopes))
     run = launch.cached_plan(_PLANS, key, lambda: plan_varlen(
         stage, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out))
+        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out,
+        alibi_slopes=alibi_slopes))
     if launch.check_device_values(check_lengths):
         validation.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        seqused_k=seqused_k, block_table=block_table)
-    return run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out)
+    return run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out, alibi_slopes)
+
+
+ALIBI_MEANING = "one slope per query head: the bias is -slope x |query position - key position|"
 
 
 def plan_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 seqused_k, block_table, softmax_scale, causal, window_size, sink_logits, num_sink_tokens,
-                return_lse, out):
+                return_lse, out, alibi_slopes=None):
     """Everything ``attention_varlen`` does that depends only on the call's signature; returns
-    ``run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out)``."""
+    ``run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out, alibi_slopes)``."""
     shape = validation.check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out)
+    validation.check_per_head("alibi_slopes", alibi_slopes, shape.heads_q, ALIBI_MEANING)
     validation.check_on_gpu(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
-                            block_table=block_table, sink_logits=sink_logits, out=out)
+                            block_table=block_table, sink_logits=sink_logits, out=out, alibi_slopes=alibi_slopes)
     return _plan_launch(kernel_class, q, shape, causal=causal, window_size=window_size, sink_logits=sink_logits,
                         num_sink_tokens=num_sink_tokens, softmax_scale=softmax_scale, return_lse=return_lse,
-                        paged=block_table is not None, has_seqused_k=seqused_k is not None)
+                        paged=block_table is not None, has_seqused_k=seqused_k is not None,
+                        has_alibi=alibi_slopes is not None)
 
 
 def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, window_size, sink_logits,
-                 num_sink_tokens, softmax_scale, return_lse, paged: bool, has_seqused_k: bool):
+                 num_sink_tokens, softmax_scale, return_lse, paged: bool, has_seqused_k: bool,
+                 has_alibi: bool = False):
     import torch
 
     # The window clamps as in prefill, with the largest S_q and S_k any sequence can have.
@@ -146,7 +158,7 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
                           left >= 0 and num_sink_tokens > 0,
                           shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0,
                           page_rows=page_rows(tiles.tile_n, shape.page_size) if paged else 0,
-                          has_seqused_k=has_seqused_k and not paged)
+                          has_seqused_k=has_seqused_k and not paged, has_alibi=has_alibi)
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
     device = q.device
     out_shape = (shape.total_q, shape.heads_q, shape.head_dim_v)
@@ -156,7 +168,7 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
     write_lse = int(bool(return_lse))
 
-    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out):
+    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out, alibi_slopes=None):
         if out is None:
             out = q.new_empty(out_shape)
         lse = torch.empty((1, shape.heads_q, shape.total_q), device=device, dtype=torch.float32) if return_lse \
@@ -166,6 +178,7 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
                    no_index[0] if cu_seqlens_k is None else cu_seqlens_k,
                    no_index[0] if seqused_k is None else seqused_k,
                    no_index if block_table is None else block_table,
+                   no_lse[0, 0] if alibi_slopes is None else alibi_slopes,
                    scale_log2, left, right, num_sink_tokens, write_lse)
         return (out, lse[0]) if return_lse else out
 
@@ -192,39 +205,42 @@ def uniform_offsets(device, batch: int, seqlen: int):
 
 
 def attention_dense(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
+                    sink_logits=None, num_sink_tokens=0, return_lse=False, out=None, alibi_slopes=None):
     """The prefill contract on [B, S, H, D] (validated as every prefill stage does), computed as B packed
     sequences of one length: O [B, S_q, H_q, D_v] (and LSE [B, H_q, S_q])."""
     key = (kernel_class, *launch.signature(q, k, v, sink_logits, out, softmax_scale, causal, window_size,
-                                           num_sink_tokens, return_lse))
+                                           num_sink_tokens, return_lse, alibi_slopes))
     run = launch.cached_plan(_DENSE_PLANS, key, lambda: plan_dense(
         stage, kernel_class, q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out))
-    return run(q, k, v, sink_logits, out)
+        sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out,
+        alibi_slopes=alibi_slopes))
+    return run(q, k, v, sink_logits, out, alibi_slopes)
 
 
 def plan_dense(stage: int, kernel_class, q, k, v, *, softmax_scale, causal, window_size, sink_logits,
-               num_sink_tokens, return_lse, out):
+               num_sink_tokens, return_lse, out, alibi_slopes=None):
     shape = validation.check_attention_inputs(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, sink_logits=sink_logits,
         num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out)
-    validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits)
+    validation.check_per_head("alibi_slopes", alibi_slopes, shape.heads_q, ALIBI_MEANING)
+    validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits, alibi_slopes=alibi_slopes)
     b, s_q, s_k = shape.batch, shape.seqlen_q, shape.seqlen_k
     packed = validation.VarlenShape(b, b * s_q, b * s_k, shape.heads_q, shape.heads_kv, shape.head_dim,
                                     shape.head_dim_v, 0, 0)
     launch_packed = _plan_launch(kernel_class, q, packed, causal=causal, window_size=window_size,
                                  sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
-                                 softmax_scale=softmax_scale, return_lse=return_lse, paged=False, has_seqused_k=False)
+                                 softmax_scale=softmax_scale, return_lse=return_lse, paged=False, has_seqused_k=False,
+                                 has_alibi=alibi_slopes is not None)
     device = q.device
     cu_q, cu_k = uniform_offsets(device, b, s_q), uniform_offsets(device, b, s_k)
     out_shape = (b, s_q, shape.heads_q, shape.head_dim_v)
 
-    def run(q, k, v, sink_logits, out):
+    def run(q, k, v, sink_logits, out, alibi_slopes=None):
         result = out if out is not None else q.new_empty(out_shape)
         packed_out = result.view(b * s_q, shape.heads_q, shape.head_dim_v) if _is_viewable(result) else None
         o = launch_packed(q.reshape(b * s_q, shape.heads_q, shape.head_dim), k.reshape(b * s_k, shape.heads_kv,
                           shape.head_dim), v.reshape(b * s_k, shape.heads_kv, shape.head_dim_v), cu_q, cu_k, None,
-                          None, sink_logits, packed_out)
+                          None, sink_logits, packed_out, alibi_slopes)
         o, lse = o if return_lse else (o, None)
         if packed_out is None:
             result.copy_(o.view(out_shape))

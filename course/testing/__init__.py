@@ -67,7 +67,7 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def torch_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    sink_logits=None, num_sink_tokens=0):
+                    sink_logits=None, num_sink_tokens=0, alibi_slopes=None):
     """PyTorch's SDPA in the inputs' precision, with the same semantics as the contract.
 
     Masks go in as a boolean attn_mask; a sink logit becomes an extra key with
@@ -79,7 +79,10 @@ def torch_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     visible = reference.visible_keys(s_q, s_k, causal=causal, window_size=window_size,
                                      num_sink_tokens=num_sink_tokens, device=q.device)
-    bias = torch.zeros(1, h_q, s_q, s_k, device=q.device, dtype=q.dtype).masked_fill(~visible, -math.inf)
+    bias = torch.zeros(1, h_q, s_q, s_k, device=q.device, dtype=torch.float32)
+    if alibi_slopes is not None:
+        bias = bias + reference.alibi_bias(s_q, s_k, alibi_slopes, dtype=torch.float32, device=q.device)
+    bias = bias.to(q.dtype).masked_fill(~visible, -math.inf)
     if sink_logits is not None:
         kh = torch.cat([kh, kh.new_zeros(*kh.shape[:2], 1, kh.shape[3])], dim=2)
         vh = torch.cat([vh, vh.new_zeros(*vh.shape[:2], 1, vh.shape[3])], dim=2)

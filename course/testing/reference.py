@@ -35,12 +35,22 @@ def visible_keys(seqlen_q: int, seqlen_k: int, *, causal: bool = False, window_s
     return visible
 
 
+def alibi_bias(seqlen_q: int, seqlen_k: int, slopes, *, dtype=torch.float64, device=None) -> torch.Tensor:
+    """[1, H, S_q, S_k]: ALiBi's - slope_h x |query position - key position|, bottom-right aligned (query i
+    at position i + S_k - S_q), as FlashAttention's ``alibi_slopes``. In decode every key is at or
+    before the query, so this is - slope x (query position - key position)."""
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return -slopes.to(device=device, dtype=dtype).view(1, -1, 1, 1) * (i - j).abs().to(dtype)
+
+
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
-              num_sink_tokens=0, return_lse=False, dtype=torch.float64):
+              num_sink_tokens=0, return_lse=False, alibi_slopes=None, dtype=torch.float64):
     """O (and LSE) for q [B, S_q, H_q, D], k/v [B, S_k, H_kv, D], computed in ``dtype``.
 
     O is returned in ``dtype``; LSE [B, H_q, S_q] is float32 like the kernels'.
     A row with no visible key has O = 0 and LSE = -inf (or the sink logit).
+    ``alibi_slopes`` [H_q] (stage 10): ``alibi_bias`` added to the scaled scores.
     """
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
@@ -50,6 +60,8 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
     kh = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)   # [B, H_q, S_k, D]
     vh = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
     scores = (qh @ kh.transpose(-1, -2)) * scale
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(s_q, s_k, alibi_slopes, dtype=dtype, device=q.device)
     mask = visible_keys(s_q, s_k, causal=causal, window_size=window_size,
                         num_sink_tokens=num_sink_tokens, device=q.device)
     scores = scores.masked_fill(~mask, -math.inf)
