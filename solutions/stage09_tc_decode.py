@@ -358,12 +358,12 @@ def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute
 
 
 
-# --8<-- [start:serving]
 # What a serving step does around the attention, in the same launch: the new token's RoPE and its
 # append to the cache, ALiBi biases, a rolling cache. Each compiles out when unused.
 ROTARY_CHUNK = 8  # columns rotated at a time: 16 bytes of q or k_new
 
 
+# --8<-- [start:rotary]
 @cute.jit
 def rotated_columns(row: cute.Tensor, cos_row: cute.Tensor, sin_row: cute.Tensor, start: Int32, rotary_dim: Int32,
                     interleaved: cutlass.Constexpr, out: cute.Tensor):
@@ -406,8 +406,10 @@ def rotated_columns(row: cute.Tensor, cos_row: cute.Tensor, sin_row: cute.Tensor
         for e in cutlass.range_constexpr(ROTARY_CHUNK):
             turned = Float32(x[e]) * Float32(c[e]) + sign * (Float32(partner[e]) * Float32(s[e]))
             out[e] = Float32(cutlass.select_(rotates, turned, Float32(x[e])))
+# --8<-- [end:rotary]
 
 
+# --8<-- [start:quantize_value]
 @cute.jit
 def quantize_value(x: Float32, scale: Float32, cache_dtype: cutlass.Constexpr) -> Float32:
     """x / scale as the cache stores it, as a float32: rounded to e4m3 (to nearest even, clamped to +-448) or
@@ -416,12 +418,13 @@ def quantize_value(x: Float32, scale: Float32, cache_dtype: cutlass.Constexpr) -
     if cutlass.const_expr(cache_dtype == "int8"):
         return cutlass.max(cutlass.min(cute.math.roundeven(y), Float32(127.0)), Float32(-127.0))
     return cutlass.max(cutlass.min(y, Float32(448.0)), Float32(-448.0))  # the e4m3 rounding is the store's
+# --8<-- [end:quantize_value]
 
 
 # --8<-- [start:int8_pairs]
 # int8 -> fp16 two values at a time: 1024 + (b + 128) is an fp16 whose low byte is b + 128, so flipping
 # the sign bit of each byte and placing the byte under 0x64 (prmt) makes it; subtracting 1152 leaves b,
-# exactly. Per 4 values 1 xor, 2 prmt, 2 half2 subtractions, against a conversion per value otherwise.
+# exactly. Per pair an xor, a byte permute and a half2 subtraction, against a conversion per value and a pack.
 INT8_PAIR_SELECTORS = (0x5140, 0x5342)  # bytes (0, 1) and (2, 3) of the word, each under 0x64
 
 
@@ -439,6 +442,7 @@ def int8_pair_to_f16x2(word: Int32, selector: int, *, loc=None, ip=None) -> Int3
 # --8<-- [end:int8_pairs]
 
 
+# --8<-- [start:rolling_slot]
 @cute.jit
 def rolling_slot(position: Int32, num_sink_tokens: Int32, capacity: Int32) -> Int32:
     """The cache row of token ``position`` in a rolling cache of ``capacity`` rows: the sink tokens keep
@@ -446,7 +450,7 @@ def rolling_slot(position: Int32, num_sink_tokens: Int32, capacity: Int32) -> In
     ring = capacity - num_sink_tokens
     return Int32(cutlass.select_(position < num_sink_tokens, position,
                                  num_sink_tokens + (position - num_sink_tokens) % ring))
-# --8<-- [end:serving]
+# --8<-- [end:rolling_slot]
 
 
 class TensorCoreDecode:
