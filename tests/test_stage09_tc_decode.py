@@ -316,16 +316,22 @@ LAYOUTS = {"contiguous": None, "paged16": 16, "paged32": 32, "paged64": 64, "pag
 RAGGED = list(testing.DECODE_LENGTHS)  # 1, 2, 127, 128, 4097, 32768, 131072 in one batch
 
 
-def fp8_split(inputs):
-    """(the inputs on an FP8 cache, its scales): the scales travel apart, as features of the reference."""
-    fp8 = kv_cache.fp8_decode_inputs(inputs)
-    return ({k: v for k, v in fp8.items() if k not in ("k_scale", "v_scale")},
-            {"k_scale": fp8["k_scale"], "v_scale": fp8["v_scale"]})
+QUANTIZED = {"16-bit": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def quantized(inputs, cache):
+    """(inputs on a ``cache`` cache, its scales as features): 16-bit, fp8 or int8. The scales travel apart,
+    as features of the reference."""
+    if QUANTIZED[cache] is None:
+        return inputs, {}
+    q = kv_cache.quantized_decode_inputs(inputs, QUANTIZED[cache])
+    return ({k: v for k, v in q.items() if k not in ("k_scale", "v_scale")},
+            {"k_scale": q["k_scale"], "v_scale": q["v_scale"]})
 
 
 def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
     """One launch on poisoned output; with ``fp8`` the cache is quantized first. Returns (report, out)."""
-    inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
+    inputs, scales = quantized(inputs, "fp8" if fp8 else "16-bit")
     result = stage.decode_attention(**inputs, **options, **scales, return_lse=return_lse,
                                     out=testing.poisoned_like(inputs["q"]))
     out, lse = result if return_lse else (result, None)
@@ -430,7 +436,7 @@ def test_cuda_graph_replay(stage, fp8, heads_q, heads_kv, variant):
     """200 replays of one captured launch, each on a new q: the same bits as an eager launch."""
     inputs = testing.random_decode_inputs([4097, 32768, 5], heads_q, heads_kv, 128, torch.float16, page_size=64,
                                           seed=4)
-    inputs, scales = fp8_split(inputs) if fp8 else (inputs, {})
+    inputs, scales = quantized(inputs, "fp8" if fp8 else "16-bit")
     scales["plan"] = variant_plan(stage, variant, heads_q, heads_kv)  # travels with the scales to every call
     out = testing.poisoned_like(inputs["q"])
     side = torch.cuda.Stream()
@@ -523,18 +529,6 @@ def test_scores_that_keep_climbing(stage, climb, fp8, heads_q, heads_kv, variant
 # ---------------------------------------------------------------- the serving extras: append + RoPE, ALiBi,
 # a rolling cache, an int8 cache (Hopper GPU)
 
-QUANTIZED = {"16-bit": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
-
-
-def quantized(inputs, cache):
-    """(inputs on a ``cache`` cache, its scales as features): 16-bit, fp8 or int8."""
-    if QUANTIZED[cache] is None:
-        return inputs, {}
-    q = kv_cache.quantized_decode_inputs(inputs, QUANTIZED[cache])
-    return ({k: v for k, v in q.items() if k not in ("k_scale", "v_scale")},
-            {"k_scale": q["k_scale"], "v_scale": q["v_scale"]})
-
-
 def bits(t):
     """A tensor's bits, so that NaN compares equal to the same NaN."""
     return t.view(torch.int8) if t.element_size() == 1 else t.view(torch.int16)
@@ -546,12 +540,9 @@ def append_step(stage, inputs, features, where, **options):
     cache_seqlens unchanged."""
     before = {name: inputs[name].clone() for name in ("k_cache", "v_cache", "cache_seqlens")}
     out = stage.decode_attention(**inputs, **features, **options, out=testing.poisoned_like(inputs["q"]))
-    expected = testing.reference.append_to_cache(
-        before["k_cache"], before["v_cache"], before["cache_seqlens"], features["k_new"], features["v_new"],
-        block_table=inputs.get("block_table"), rotary_cos=features.get("rotary_cos"),
-        rotary_sin=features.get("rotary_sin"), rotary_interleaved=features.get("rotary_interleaved", False),
-        k_scale=features.get("k_scale"), v_scale=features.get("v_scale"),
-        num_sink_tokens=features.get("num_sink_tokens", 0), cache_capacity=features.get("cache_capacity"))
+    expected = testing.reference.append_to_cache(before["k_cache"], before["v_cache"], before["cache_seqlens"],
+                                                 block_table=inputs.get("block_table"),
+                                                 **testing.reference.append_options(features))
     for name, want in zip(("k_cache", "v_cache"), expected):
         wrong = (bits(inputs[name]) != bits(want)).nonzero()
         assert not len(wrong), (f"{where}: {name} differs from the reference's append at {wrong[0].tolist()} "

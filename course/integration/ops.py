@@ -139,11 +139,9 @@ def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_tabl
                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, k_scale=k_scale,
                                      v_scale=v_scale, **extras).to(q.dtype)
     if extras.get("k_new") is not None:
-        appended = reference.append_to_cache(
-            k_cache, v_cache, cache_seqlens, extras["k_new"], extras["v_new"], block_table=block_table,
-            rotary_cos=extras.get("rotary_cos"), rotary_sin=extras.get("rotary_sin"),
-            rotary_interleaved=extras.get("rotary_interleaved", False), k_scale=k_scale, v_scale=v_scale,
-            num_sink_tokens=num_sink_tokens, cache_capacity=extras.get("cache_capacity"))
+        appended = reference.append_to_cache(k_cache, v_cache, cache_seqlens, block_table=block_table,
+                                             k_scale=k_scale, v_scale=v_scale, num_sink_tokens=num_sink_tokens,
+                                             **reference.append_options(extras))
         k_cache.copy_(appended[0])
         v_cache.copy_(appended[1])
     return out

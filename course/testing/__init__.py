@@ -247,24 +247,19 @@ def rolling_decode_inputs(lengths, capacity: int, heads_q, heads_kv, head_dim, d
                           device="cuda", seed=0) -> dict:
     """Decode inputs on a rolling cache of ``capacity`` rows per sequence (``cache_capacity``): every row a
     sequence has written holds a token (the latest one of its slot), rows it has not reached yet are NaN.
-    Lengths may exceed the capacity. Paged: ceil(capacity / page_size) shuffled pages per sequence."""
+    Lengths may exceed the capacity. Paged: the same rows in ceil(capacity / page_size) shuffled pages per
+    sequence."""
     lengths = [int(n) for n in lengths]
+    rows = capacity if page_size is None else -(-capacity // page_size) * page_size  # whole pages
     inputs = random_decode_inputs([min(n, capacity) for n in lengths], heads_q, heads_kv, head_dim, dtype,
-                                  page_size=page_size, capacity=capacity, device=device, seed=seed)
-    if page_size is not None:  # every sequence gets its ring's pages, including those past its length
-        pages = -(-capacity // page_size)
-        table = torch.arange(len(lengths) * pages, dtype=torch.int32).view(len(lengths), pages)
-        order = torch.randperm(table.numel(), generator=torch.Generator().manual_seed(seed))
-        table = table.flatten()[order].view_as(table)
-        pool = torch.full((table.numel(), page_size, heads_kv, head_dim), float("nan"), dtype=dtype, device=device)
-        gen = torch.Generator(device=device).manual_seed(seed + 2)
-        k_pool, v_pool = pool, pool.clone()
-        for b, n in enumerate(lengths):
-            for cache in (k_pool, v_pool):
-                rows = torch.randn(pages * page_size, heads_kv, head_dim, generator=gen, device=device).to(dtype)
-                rows[min(n, capacity):] = float("nan")
-                cache[table[b].long().to(device)] = rows.view(pages, page_size, heads_kv, head_dim)
-        inputs.update(k_cache=k_pool, v_cache=v_pool, block_table=table.to(device))
+                                  capacity=rows, device=device, seed=seed)
+    if page_size is not None:  # page p of sequence b goes to pool page order[b * pages + p]
+        order = torch.randperm(len(lengths) * rows // page_size, generator=torch.Generator().manual_seed(seed))
+        for name in ("k_cache", "v_cache"):
+            pages = inputs[name].reshape(-1, page_size, heads_kv, head_dim)
+            inputs[name] = torch.empty_like(pages)
+            inputs[name][order.to(device)] = pages
+        inputs["block_table"] = order.view(len(lengths), -1).to(device=device, dtype=torch.int32)
     inputs["cache_seqlens"] = torch.tensor(lengths, dtype=torch.int32, device=device)
     return inputs
 
@@ -311,12 +306,9 @@ def appended_decode_inputs(inputs: dict, features: dict) -> tuple[dict, dict]:
     options are gone. Without ``k_new``: the arguments unchanged."""
     if features.get("k_new") is None:
         return inputs, {k: v for k, v in features.items() if k not in APPEND_FEATURES}
-    k_cache, v_cache = reference.append_to_cache(
-        inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"], features["k_new"], features["v_new"],
-        block_table=inputs.get("block_table"), rotary_cos=features.get("rotary_cos"),
-        rotary_sin=features.get("rotary_sin"), rotary_interleaved=features.get("rotary_interleaved", False),
-        k_scale=features.get("k_scale"), v_scale=features.get("v_scale"),
-        num_sink_tokens=features.get("num_sink_tokens", 0), cache_capacity=features.get("cache_capacity"))
+    k_cache, v_cache = reference.append_to_cache(inputs["k_cache"], inputs["v_cache"], inputs["cache_seqlens"],
+                                                 block_table=inputs.get("block_table"),
+                                                 **reference.append_options(features))
     q = inputs["q"]
     if features.get("rotary_cos") is not None:
         q = reference.rotary(q, features["rotary_cos"], features["rotary_sin"], inputs["cache_seqlens"],

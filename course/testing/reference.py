@@ -197,6 +197,15 @@ def rotary(x, cos, sin, positions, interleaved: bool = False):
     return torch.cat((rotated, xf[..., 2 * half:]), dim=-1).to(x.dtype)
 
 
+APPEND_OPTIONS = ("k_new", "v_new", "rotary_cos", "rotary_sin", "rotary_interleaved", "k_scale", "v_scale",
+                  "num_sink_tokens", "cache_capacity")
+
+
+def append_options(features: dict) -> dict:
+    """The options of a decode call (a dict of its keyword arguments) that ``append_to_cache`` takes."""
+    return {name: features[name] for name in APPEND_OPTIONS if name in features}
+
+
 def append_to_cache(k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_table=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved=False, k_scale=None, v_scale=None, num_sink_tokens=0,
                     cache_capacity=None):
