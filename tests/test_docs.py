@@ -415,7 +415,8 @@ def test_stage_page_shows_no_answer_before_the_exercise(page):
     assert not problems, "\n".join(problems)
 
 
-OTHER_PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.parent != ROOT / "docs" / "stages")
+# Every other page: the course pages, primers, and the stage pages beside a stage's own (engineering notes, extras).
+OTHER_PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p not in STAGE_PAGES)
 
 
 @pytest.mark.parametrize("page", OTHER_PAGES, ids=[p.relative_to(ROOT / "docs").as_posix() for p in OTHER_PAGES])
@@ -511,3 +512,22 @@ def test_stage8_sass_listing_is_what_course_sass_prints(capsys):
     assert printed == (ROOT / "docs" / "results" / "stage08-sass.txt").read_text(), (
         "docs/results/stage08-sass.txt is not what `python -m course sass 8` prints now; regenerate it with "
         "`python -m course sass 8 > docs/results/stage08-sass.txt` and read the page's SASS paragraphs again")
+
+
+ALL_PAGES = sorted((ROOT / "docs").rglob("*.md"))
+
+
+@pytest.mark.parametrize("page", ALL_PAGES, ids=[p.relative_to(ROOT / "docs").as_posix() for p in ALL_PAGES])
+def test_code_includes_sit_in_code_blocks(page):
+    """An include of code (a .py section or a diff) outside a ``` block renders as prose: its comments become
+    headings, its lines one paragraph."""
+    rel = page.relative_to(ROOT)
+    fenced, problems = False, []
+    for number, line in enumerate(page.read_text().splitlines(), start=1):
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            continue
+        include = SNIPPET_LINE.match(line)
+        if include and not fenced and re.search(r"\.(py|diff)(:|$)", include["target"]):
+            problems.append(f'{rel}, line {number}: --8<-- "{include["target"]}" is outside a ``` block')
+    assert not problems, "\n".join(problems)
