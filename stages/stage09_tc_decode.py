@@ -1081,7 +1081,8 @@ class TensorCoreDecode:
         if cutlass.const_expr(self.appends):
             # The new token is split 0's first key, in the first warp of each row tile, whose state starts
             # from it (q . k_new over the columns each thread holds of Q, added up by the quad). No other
-            # CTA reads its row, which one CTA writes (write_new_token).
+            # CTA reads its row, which one CTA writes (write_new_token) from its last warp, so that the
+            # first warp, which starts from the new token, does not also write it before its first key.
             if split == 0 and key_group == 0:
                 new_score = cute.make_rmem_tensor((2,), Float32)
                 new_score.fill(0.0)
@@ -1089,7 +1090,7 @@ class TensorCoreDecode:
                                      s_q[tile, lane, None, None] if self.q_in_shared else r_q_pieces, new_score)
                 self.start_with_new_token(mVNew, batch, head_kv, kq, v_scale, new_score, score_scale,
                                           row_max, row_sum, acc_o)
-            if split == 0 and head_chunk == 0 and warp_idx == 0 and g == 0:
+            if split == 0 and head_chunk == 0 and warp_idx == self.num_warps - 1 and g == 0:
                 self.write_new_token(mK, mV, mKNew, mVNew, mCos, mSin, mBlockTable, batch, head_kv, cached, ring,
                                      kq, k_scale, v_scale)
         alibi_log2 = cute.make_rmem_tensor((2,), Float32)  # the thread's rows' slopes, in log2 units
