@@ -326,10 +326,12 @@ class AlibiMask(WindowMask):
         coord = rows_cols_view(tScS)
         key0 = n_block * self.tile_n
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            diagonal = self.row0 + coord[r, 0][0] + self.offset  # the row's query position
+            # The row's distance to its first key here, converted once: the thread's other keys in the tile
+            # are that key plus a constant, so each score costs a float subtraction, not a conversion.
+            first = cutlass.Float32(self.row0 + coord[r, 0][0] + self.offset - (key0 + coord[r, 0][1]))
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                distance = diagonal - (key0 + coord[r, c][1])
-                s[r, c] = s[r, c] - self.slope_raw * cutlass.Float32(cutlass.max(distance, -distance))
+                distance = first - cutlass.Float32(coord[r, c][1] - coord[r, 0][1])
+                s[r, c] = s[r, c] - self.slope_raw * abs(distance)
         WindowMask.apply(self, acc_S, tScS, n_block)
 
     @cute.jit
