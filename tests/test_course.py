@@ -101,7 +101,7 @@ def test_reference_empty_rows_are_zero_with_minus_inf_lse():
 
 def test_validation_names_what_is_accepted():
     q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"expected a contiguous \[2\] \(one per query head\) float32 tensor"):
+    with pytest.raises(ValueError, match=r"expected a contiguous \[2\] float32 tensor \(one natural-log logit per query head\)"):
         validation.check_attention_inputs(q, q, q, sink_logits=torch.zeros(3))
     with pytest.raises(ValueError, match="window_size must be a pair"):
         validation.check_attention_inputs(q, q, q, window_size=(-2, 0))

@@ -170,21 +170,6 @@ def _check_window_size(window_size) -> None:
                          f"got {window_size!r}")
 
 
-def _check_sink_logits(sink_logits, heads_q: int) -> None:
-    import torch
-
-    if sink_logits is None:
-        return
-    if not isinstance(sink_logits, torch.Tensor):
-        raise TypeError(f"sink_logits must be a torch.Tensor or None; got {type(sink_logits).__name__}")
-    if sink_logits.dtype != torch.float32:
-        raise TypeError(f"sink_logits has dtype {sink_logits.dtype}; expected torch.float32 (one natural-log logit "
-                        "per query head)")
-    if sink_logits.shape != (heads_q,) or sink_logits.stride() != (1,):
-        raise ValueError(f"sink_logits has shape {tuple(sink_logits.shape)} and strides {sink_logits.stride()}; "
-                         f"expected a contiguous [{heads_q}] (one per query head) float32 tensor")
-
-
 def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), sink_logits=None,
                            num_sink_tokens=0, return_lse=False, out=None,
                            head_dims=HEAD_DIMS_FROM_STAGE_8) -> AttentionShape:
@@ -221,7 +206,7 @@ def check_attention_inputs(q, k, v, *, softmax_scale=None, causal=False, window_
     _check_flag("return_lse", return_lse)
     _check_window_size(window_size)
     check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
-    _check_sink_logits(sink_logits, h_q)
+    check_per_head("sink_logits", sink_logits, h_q, SINK_LOGITS_MEANING)
     if out is not None:
         _check_out(out, q, "q with v's head_dim", layout=bshd, shape=(b, s_q, h_q, d_v))
     return AttentionShape(b, s_q, s_k, h_q, h_kv, d, d_v)
@@ -465,7 +450,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
     check_int32("num_splits", num_splits, minimum=0)
     _check_flag("return_lse", return_lse)
-    _check_sink_logits(sink_logits, h_q)
+    check_per_head("sink_logits", sink_logits, h_q, SINK_LOGITS_MEANING)
     _check_kv_scales(k_scale, v_scale, quantized=quantized, cache_dtype=k_cache.dtype, heads_kv=h_kv)
     if out is not None:
         _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
@@ -525,6 +510,9 @@ def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         _check_tensor(name, t, rank=2, layout="[positions, rotary_dim / 2] in q's dtype")
     return rotary_dim, positions
+
+
+SINK_LOGITS_MEANING = "one natural-log logit per query head"
 
 
 def check_per_head(name: str, t, heads: int, meaning: str) -> None:
@@ -753,7 +741,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     _check_flag("return_lse", return_lse)
     _check_window_size(window_size)
     check_int32("num_sink_tokens", num_sink_tokens, minimum=0)
-    _check_sink_logits(sink_logits, h_q)
+    check_per_head("sink_logits", sink_logits, h_q, SINK_LOGITS_MEANING)
     if out is not None:
         _check_out(out, q, "q with v's head_dim", layout=packed, shape=(q.shape[0], h_q, d_v))
     return VarlenShape(b, q.shape[0], capacity, h_q, h_kv, d, d_v, page_size, num_pages)
