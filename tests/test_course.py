@@ -778,6 +778,30 @@ def test_ragged_rows_render_and_merge(tmp_path):
     assert "| 1.10x |" in text, "stage 10's row says how it compares with FA4 in the same rounds"
 
 
+def test_serving_bench_times_one_section_again(tmp_path, monkeypatch):
+    """`serving_bench --only prefill` times that section again into serving.json and keeps the others, and
+    both tables are written from the result (stage 9's page includes one, stage 10's the other)."""
+    import json
+
+    from course.tools import serving_bench
+
+    earlier = {"environment": {"gpu": "H100"}, "append": [], "quantized": [], "rolling": [],
+               "prefill alibi": [{"causal": False, "no bias TFLOP/s": 600.0, "ALiBi TFLOP/s": 400.0}]}
+    (tmp_path / "serving.json").write_text(json.dumps(earlier))
+    again = [{"causal": True, "no bias TFLOP/s": 500.0, "ALiBi TFLOP/s": 450.0}]
+    timed = []
+    fake = {name: (stage, lambda module, name=name: timed.append(name) or again)
+            for name, (stage, _) in serving_bench.SECTIONS.items()}
+    monkeypatch.setattr(serving_bench, "SECTIONS", fake)
+    monkeypatch.setattr(stages.Stage, "load", lambda self, impl: None)
+    serving_bench.main(["--only", "prefill", "--out", str(tmp_path)])
+    assert timed == ["prefill alibi"]
+    saved = json.loads((tmp_path / "serving.json").read_text())
+    assert saved == {**earlier, "prefill alibi": again}
+    assert "| causal | 500 | 450 | 0.90 |" in (tmp_path / "alibi-prefill.md").read_text()
+    assert "Append + RoPE" in (tmp_path / "serving.md").read_text()
+
+
 # ---------------------------------------------------------------- course hint
 
 @pytest.mark.parametrize("stage", [s for s in stages.STAGES if s.ready], ids=lambda s: f"stage{s.number}")

@@ -2,6 +2,7 @@
 
     python -m course.tools.serving_bench --out docs/results   # Hopper GPU: serving.json, serving.md, alibi-prefill.md
     python -m course.tools.serving_bench --render             # serving.json -> the tables, on any machine
+    python -m course.tools.serving_bench --only prefill --out docs/results   # one section again, the rest kept
 
 Every time is one decode call inside a CUDA graph of 10 calls (``bench.capture_graph``, as a serving
 engine runs decode), the calls of one table timed in the same rounds (``bench.time_in_rounds``),
@@ -230,14 +231,19 @@ def write_tables(results: dict, out_dir: Path) -> None:
     (out_dir / "alibi-prefill.md").write_text(render_prefill(results))
 
 
-def run(out_dir: Path = DEFAULT_OUT) -> dict:
+SECTIONS = {"append": (9, bench_append), "quantized": (9, bench_quantized), "rolling": (9, bench_alibi_and_rolling),
+            "prefill alibi": (10, bench_alibi_prefill)}
+
+
+def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
+    """Every section, or (``only``) one section timed again into the existing serving.json."""
     from course.runtime import stages
 
-    stage = stages.get(9).load("solutions")
-    results = {"environment": bench.environment(), "append": bench_append(stage),
-               "quantized": bench_quantized(stage), "rolling": bench_alibi_and_rolling(stage),
-               "prefill alibi": bench_alibi_prefill(stages.get(10).load("solutions"))}
     out_dir = Path(out_dir)
+    results = json.loads((out_dir / "serving.json").read_text()) if only else {"environment": bench.environment()}
+    for name, (stage, section) in SECTIONS.items():
+        if only in (None, name):
+            results[name] = section(stages.get(stage).load("solutions"))
     (out_dir / "serving.json").write_text(json.dumps(results, indent=1) + "\n")
     write_tables(results, out_dir)
     return results
@@ -247,11 +253,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--render", action="store_true", help="serving.json -> the tables (no GPU)")
+    parser.add_argument("--only", choices=[name.split()[0] for name in SECTIONS],
+                        help="time one section again; the others keep their serving.json entries")
     args = parser.parse_args(argv)
     if args.render:
         write_tables(json.loads((args.out / "serving.json").read_text()), args.out)
     else:
-        run(args.out)
+        run(args.out, next((name for name in SECTIONS if name.split()[0] == args.only), None))
 
 
 if __name__ == "__main__":
