@@ -832,3 +832,25 @@ def test_course_hint_prints_one_hint_at_a_time(capsys):
     assert "hint 11 1 2" in text
     assert hints.main(11, "gradients", 3) == 0 and "Solutions" in capsys.readouterr().out
     assert hints.main(11, "no-such-exercise") == 1 and "1: KeyTileMask.m_block_range" in capsys.readouterr().out
+
+
+def test_decode_variants_render_the_rules_choice_in_bold(tmp_path):
+    """`decode_variants --render`: one table per section of forced stage 9 plans, cuDNN first, the variant the
+    rules choose in bold (the split counts' rule in its own column), "Not measured yet" before any run."""
+    import json
+
+    from course.tools import decode_variants
+
+    results = {"environment": {"gpu": "H100"},
+               "split counts": [{"shape": [1, 4096, 32, 8], "rule": "16",
+                                 "times": {"cuDNN": 9.8, "4": 16.3, "16": 9.9, "256": 20.0}}],
+               "keys per split": [{"shape": [1, 256, 8, 1], "rule": "128", "times": {"cuDNN": 6.0, "256": 7.7,
+                                                                                    "128": 6.9}}],
+               "row tiles": []}
+    (tmp_path / "decode-variants.json").write_text(json.dumps(results))
+    decode_variants.main(["--render", "--out", str(tmp_path)])
+    splits = (tmp_path / decode_variants.file_name("split counts")).read_text()
+    assert "| 1, 4096, 32/8 | 9.8 | 16.3 | - | **9.9** | - | - | - | 20.0 | 16: 9.9 |" in splits
+    keys = (tmp_path / decode_variants.file_name("keys per split")).read_text()
+    assert "| 1, 256, 8/1 | 6.0 | - | 7.7 | **6.9** |" in keys and "512 keys per split" in keys
+    assert "Not measured yet" in (tmp_path / decode_variants.file_name("row tiles")).read_text()

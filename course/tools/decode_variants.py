@@ -1,0 +1,185 @@
+"""Stage 9's forced variants, timed: the tables of the engineering-notes page that ``course bench`` does not run.
+
+    python -m course.tools.decode_variants --out docs/results   # Hopper GPU: decode-variants.json and .md
+    python -m course.tools.decode_variants --render             # decode-variants.json -> the tables, on any machine
+
+Each variant is stage 9's ``decode_attention`` with its launch plan forced (``plan=DecodePlan(...)`` or
+``num_splits=n``), captured in a CUDA graph of 10 calls (``bench.capture_graph``) and timed next to SDPA's
+cuDNN backend on the same inputs, in the same rounds (``bench.time_graphs``): fp16, D = 128, a contiguous
+cache of B full sequences. The plan the rules choose (``choose_plan``) is marked in each row.
+
+- Split counts: ``num_splits = n`` for a few n, and the rule's own count.
+- Keys per split for short sequences: 512, 256 or 128 keys per split on 8 warps, one row tile.
+- Row tiles: one tile per CTA or ``row_tiles(G, D)``, each with its automatic warps and splits, on the
+  16-bit cache and on an FP8 copy of it.
+
+Never edit the outputs by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from functools import partial
+from pathlib import Path
+
+from course.runtime.shapes import DecodeShape
+from course.tools import bench
+
+DEFAULT_OUT = bench.DEFAULT_OUT
+HEAD_DIM = 128
+SPLIT_SHAPES = [(1, 4096, 32, 8), (1, 32768, 32, 8), (1, 32768, 32, 2), (1, 32768, 8, 1), (1, 131072, 8, 1),
+                (8, 32768, 8, 1), (1, 131072, 64, 1)]
+SPLIT_COUNTS = (4, 8, 16, 32, 64, 128, 256)
+SHORT_SHAPES = [(1, 256, 8, 1), (1, 512, 8, 1), (1, 1024, 8, 1), (1, 1024, 32, 8), (1, 1024, 64, 1),
+                (8, 1024, 8, 1), (1, 2048, 8, 1), (1, 2048, 32, 8), (1, 2048, 64, 1), (1, 3072, 8, 1)]
+KEYS_PER_SPLIT = (512, 256, 128)
+ROW_TILE_SHAPES = [(1, 32768, 64, 1), (1, 131072, 64, 1), (8, 4096, 64, 1), (8, 32768, 64, 1), (8, 65536, 64, 1),
+                   (4, 131072, 64, 1), (16, 32768, 64, 1), (8, 131072, 64, 1), (64, 4096, 64, 1),
+                   (64, 32768, 64, 1), (64, 131072, 64, 1), (8, 32768, 64, 2), (8, 131072, 32, 1),
+                   (64, 32768, 48, 2)]
+CUDNN = "cuDNN"
+
+
+def plan_args(shape: tuple, cache_dtype: str = "float16") -> tuple:
+    """``choose_plan``'s arguments for (B, L, H_q, H_kv) on this GPU."""
+    import torch
+
+    batch, length, heads_q, heads_kv = shape
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return batch, heads_kv, heads_q // heads_kv, length, num_sms, HEAD_DIM, cache_dtype
+
+
+def time_variants(stage, shape: tuple, variants: dict, fp8: bool = False) -> dict:
+    """{name: microseconds per call} of cuDNN and of ``variants`` ({name: decode_attention keyword arguments},
+    an "fp8 " name prefix reading an FP8 copy of the cache), in the same rounds."""
+    from torch.nn.attention import SDPBackend
+
+    q, k, v, seqlens, _ = bench.decode_inputs(DecodeShape(*shape, head_dim=HEAD_DIM))
+    calls = {CUDNN: partial(bench.sdpa_decode(SDPBackend.CUDNN_ATTENTION), q, k, v, seqlens)}
+    caches = {False: (k, v, {})}
+    if fp8:
+        k8, v8, k_scale, v_scale = bench.fp8_copy(k, v)
+        caches[True] = (k8, v8, {"k_scale": k_scale, "v_scale": v_scale})
+    for name, options in variants.items():
+        kk, vv, scales = caches[name.startswith("fp8 ")]
+        calls[name] = partial(stage.decode_attention, q, kk, vv, seqlens, **scales, **options)
+    graphs = bench.runnable(calls, DecodeShape(*shape).label, prepare=bench.capture_graph)
+    return {name: ms * 1000 for name, ms in bench.time_graphs(graphs).items()}
+
+
+def bench_split_counts(stage) -> list[dict]:
+    rows = []
+    for shape in SPLIT_SHAPES:
+        rule = stage.choose_plan(*plan_args(shape)).num_splits
+        counts = sorted({*SPLIT_COUNTS, rule})
+        times = time_variants(stage, shape, {f"{n}": {"num_splits": n} for n in counts})
+        rows.append({"shape": shape, "times": times, "rule": f"{rule}"})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def bench_keys_per_split(stage) -> list[dict]:
+    rows = []
+    for shape in SHORT_SHAPES:
+        plan = stage.choose_plan(*plan_args(shape))
+        variants = {f"{keys}": {"plan": stage.DecodePlan(1, 8, math.ceil(shape[1] / keys))}
+                    for keys in KEYS_PER_SPLIT if keys <= shape[1]}
+        rule = next((name for name, options in variants.items() if options["plan"] == plan), None)
+        rows.append({"shape": shape, "times": time_variants(stage, shape, variants), "rule": rule})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def bench_row_tiles(stage) -> list[dict]:
+    rows = []
+    for shape in ROW_TILE_SHAPES:
+        variants, rules = {}, []
+        for cache_dtype, prefix in (("float16", ""), ("float8_e4m3fn", "fp8 ")):
+            args = plan_args(shape, cache_dtype)
+            for tiles, name in ((1, "1 tile"), (stage.row_tiles(args[2], HEAD_DIM), "row tiles")):
+                plan = stage.DecodePlan(tiles, stage.pick_warps(*args, tiles))
+                variants[prefix + name] = {"plan": plan}
+            rules.append(prefix + ("row tiles" if stage.pick_row_tiles(*args) > 1 else "1 tile"))
+        rows.append({"shape": shape, "times": time_variants(stage, shape, variants, fp8=True), "rule": rules})
+        print(rows[-1], flush=True)
+    return rows
+
+
+# Each section's variant columns; the split counts' rule gets one column of its own, whatever count it picked.
+COLUMNS = {"split counts": [f"{n}" for n in SPLIT_COUNTS] + ["rule"], "keys per split": [f"{k}" for k in KEYS_PER_SPLIT],
+           "row tiles": ["1 tile", "row tiles", "fp8 1 tile", "fp8 row tiles"]}
+SECTIONS = {"split counts": bench_split_counts, "keys per split": bench_keys_per_split,
+            "row tiles": bench_row_tiles}
+
+
+def _cell(row: dict, name: str) -> str:
+    if name not in row["times"]:
+        return "-"
+    rules = row["rule"] if isinstance(row["rule"], list) else [row["rule"]]
+    text = f"{row['times'][name]:.1f}"
+    return f"**{text}**" if name in rules else text
+
+
+def render_section(results: dict, section: str) -> str:
+    """One section's table: B, L, H_q/H_kv, cuDNN, then each variant (the rule's choice in bold)."""
+    rows = results.get(section, [])
+    names = COLUMNS[section]
+    header = {"split counts": lambda n: n if n == "rule" else f"{n} splits",
+              "keys per split": lambda n: f"{n} keys per split",
+              "row tiles": lambda n: n.replace("fp8 ", "") + (", FP8" if n.startswith("fp8 ") else "")}[section]
+    env = results.get("environment", {})
+    lines = ["<!-- generated by python -m course.tools.decode_variants; do not edit -->",
+             f"GPU: {env.get('gpu', '?')}; microseconds per call in CUDA graphs of {bench.GRAPH_CALLS} calls, "
+             "median of rounds; fp16, D = 128, contiguous cache; the rules' choice in bold.", "",
+             "| B, L, H_q/H_kv | cuDNN | " + " | ".join(header(n) for n in names) + " |",
+             "|---|" + "---:|" * (len(names) + 1)]
+    for row in rows:
+        batch, length, heads_q, heads_kv = row["shape"]
+        cells = [f"{row['times'][CUDNN]:.1f}" if CUDNN in row["times"] else "-"]
+        for name in names:
+            if name == "rule":
+                rule = row["rule"]
+                cells.append(f"{rule}: {row['times'][rule]:.1f}" if rule in row["times"] else "-")
+            else:
+                cells.append(_cell(row, name))
+        lines.append(f"| {batch}, {length}, {heads_q}/{heads_kv} | " + " | ".join(cells) + " |")
+    if not rows:
+        lines.append("| Not measured yet: run the command above on a Hopper GPU. |" + " |" * (len(names) + 1))
+    return "\n".join(lines) + "\n"
+
+
+def file_name(section: str) -> str:
+    return "decode-variants-" + section.replace(" ", "-") + ".md"
+
+
+def write_tables(results: dict, out_dir: Path) -> None:
+    for section in SECTIONS:
+        (out_dir / file_name(section)).write_text(render_section(results, section))
+
+
+def run(out_dir: Path = DEFAULT_OUT) -> dict:
+    from course.runtime import stages
+
+    stage = stages.get(9).load("solutions")
+    results = {"environment": bench.environment(), **{name: section(stage) for name, section in SECTIONS.items()}}
+    out_dir = Path(out_dir)
+    (out_dir / "decode-variants.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_tables(results, out_dir)
+    return results
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--render", action="store_true", help="decode-variants.json -> the tables (no GPU)")
+    args = parser.parse_args(argv)
+    if args.render:
+        write_tables(json.loads((args.out / "decode-variants.json").read_text()), args.out)
+    else:
+        run(args.out)
+
+
+if __name__ == "__main__":
+    main()
