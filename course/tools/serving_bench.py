@@ -1,10 +1,10 @@
-"""What stage 9's serving extras cost: the fused append + RoPE, an int8 cache, ALiBi, a rolling cache.
+"""What the serving extras cost: stage 9's fused append + RoPE, int8 cache, ALiBi and rolling cache, stage 10's ALiBi.
 
     python -m course.tools.serving_bench --out docs/results   # Hopper GPU: serving.json, serving.md, alibi-prefill.md
     python -m course.tools.serving_bench --render             # serving.json -> the tables, on any machine
     python -m course.tools.serving_bench --only prefill --out docs/results   # one section again, the rest kept
 
-Every time is one decode call inside a CUDA graph of 10 calls (``bench.capture_graph``, as a serving
+Every decode time is one call inside a CUDA graph of 10 calls (``bench.capture_graph``, as a serving
 engine runs decode), the calls of one table timed in the same rounds (``bench.time_in_rounds``),
 median of the rounds. bf16 queries, D = 128, a contiguous cache.
 
