@@ -197,7 +197,7 @@ BAD_INPUTS = {
                                      ValueError, r"cache_seqlens\[1\] = 9 is the new token's position"),
     "append-past-the-cache": (lambda: replaced(append_cpu_inputs(), cache_seqlens=torch.tensor([5, 14],
                                                                                               dtype=torch.int32)),
-                              {"check_lengths": True}, ValueError, "and the appended token is larger than the cache"),
+                              {"check_lengths": True}, ValueError, "plus the appended token is larger than the cache"),
     "append-valid-reaches-the-device-check": (lambda: append_cpu_inputs(),
                                               {"rotary_cos": torch.ones(10, 32, dtype=torch.float16),
                                                "rotary_sin": torch.ones(10, 32, dtype=torch.float16),

@@ -626,7 +626,7 @@ def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) ->
         b = int(too_long[0])
         where = ("S_max = k_cache.shape[1]" if block_table is None
                  else "max_pages * page_size = block_table.shape[1] * k_cache.shape[1]")
-        appended = " and the appended token" if shape.appends else ""
+        appended = " plus the appended token" if shape.appends else ""
         raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])}{appended} is larger than the cache: at most "
                          f"{shape.capacity} keys ({where})")
     if shape.rotary_positions:
