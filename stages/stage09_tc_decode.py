@@ -786,6 +786,20 @@ class TensorCoreDecode:
         return converted
 
     @cute.jit
+    def q_fragment(self, r_q: cute.Tensor, piece: cute.Tensor, r: int, p: int):
+        """The A operand of S = Q K^T: ``piece`` (k_elems values in the MMA's type), the thread's p-th chunk
+        (chunk 4p + kq) of the query row of head g + 8r, into ``r_q`` ((2, 2, 2), 1, D / 16), in the MMA's
+        value order (column + 1, row + 8, column + 8, then the column block). Its columns are the ones
+        k_fragment gives the same elements of K."""
+        for e in cutlass.range_constexpr(self.k_elems):
+            # TODO(stage 9): Store piece[e] in the slot of r_q (A operand, compact, in
+            #   the MMA's value order) for row r (head g + 8r) and the very column that
+            #   k_fragment gives the same element of K: any mismatch makes every score
+            #   wrong, and nothing crashes (course check 9 emulates the warp's MMAs on
+            #   the CPU). Page: "The m16n8k16 fragments".
+            raise NotImplementedError('TODO(stage 9) in q_fragment(): Store piece[e] in the slot of r_q (A operand, compact, in the MMA\'s value order) for row r (head g + 8r) and the very column that k_fragment gives the same element of K: any mismatch makes every score wrong, and nothing crashes (course check 9 emulates the warp\'s MMAs on the CPU). Page: "The m16n8k16 fragments". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
+
+    @cute.jit
     def k_fragment(self, sK: cute.Tensor, r_k: cute.Tensor, g: Int32, kq: Int32, first_piece: int):
         """The B operand of S = Q K^T from the warp's K tile [16 rows, chunks, 16 bytes] of one stage
         (the column blocks of pieces ``first_piece``, ...: all of them, or half at D = 256).
@@ -1042,13 +1056,7 @@ class TensorCoreDecode:
         for r in cutlass.range_constexpr(2):
             head = first_head + cutlass.min(ROWS * tile + g + 8 * r, heads_here - 1)  # spare rows repeat a real head
             for p in cutlass.range_constexpr(self.k_pieces):
-                piece = self.q_piece(mQ[batch, head, None], angles, 4 * p + kq)
-                for e in cutlass.range_constexpr(self.k_elems):
-                    # TODO(stage 9): Store piece[e] in the slot of r_q (A operand, compact, in
-                    #   the MMA's value order) for row r (head g + 8r) and the very column that
-                    #   k_fragment gives the same element of K: any mismatch makes every score
-                    #   wrong, and nothing crashes. Page: "The m16n8k16 fragments".
-                    raise NotImplementedError('TODO(stage 9) in kernel(): Store piece[e] in the slot of r_q (A operand, compact, in the MMA\'s value order) for row r (head g + 8r) and the very column that k_fragment gives the same element of K: any mismatch makes every score wrong, and nothing crashes. Page: "The m16n8k16 fragments". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
+                self.q_fragment(r_q, self.q_piece(mQ[batch, head, None], angles, 4 * p + kq), r, p)
             if cutlass.const_expr(self.rotary != "" and self.q_in_shared):
                 # D = 256: keeps ptxas from loading the second row's pieces (q, cos, sin) while the first
                 # row's are live, which spills.

@@ -1464,3 +1464,140 @@ def check_score_gradients(module) -> None:
             key, row = [int(i) for i in torch.unravel_index(err.argmax(), err.shape)]
             raise AssertionError(f"probabilities_and_score_gradients: {name} at (key {key}, row {row}) is "
                                  f"{got[key, row].item():.6g}; expected {expected[key, row].item():.6g}")
+
+
+# ---------------------------------------------------------------- stage 9: the fragments, one warp emulated
+
+class Fragment:
+    """A thread's compact register fragment in plain Python: its mode sizes (what ``cute.size(t, mode=[i])``
+    reports) and its values by slot. A slot written twice, past the end or never is the learner's index bug."""
+
+    def __init__(self, modes: tuple, name: str, where: str):
+        self.modes, self.name, self.where = modes, name, where
+        self.values = [None] * math.prod(math.prod(m) if isinstance(m, tuple) else m for m in modes)
+
+    def __setitem__(self, slot, value):
+        if not isinstance(slot, int) or not 0 <= slot < len(self.values):
+            raise AssertionError(f"{self.where}: slot {slot} of {self.name}, which has {len(self.values)} values "
+                                 f"({self.modes}): an index past the fragment writes another register or none")
+        if self.values[slot] is not None:
+            raise AssertionError(f"{self.where}: slot {slot} of {self.name} is written twice: two elements land in "
+                                 "one place, and some other slot keeps nothing")
+        self.values[slot] = float(value)
+
+    def filled(self) -> list:
+        empty = [i for i, v in enumerate(self.values) if v is None]
+        if empty:
+            raise AssertionError(f"{self.where}: slots {empty[:8]} of {self.name} are never written: the MMA would "
+                                 "read whatever those registers held")
+        return self.values
+
+
+class _Tile:
+    """A warp's K or V tile [16 rows, chunks, k_elems] of one ring stage: ``tile[row, chunk, None]`` is a list."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __getitem__(self, index):
+        row, chunk, _ = index
+        return list(self.values[row, chunk])
+
+
+def _fragment_methods(module):
+    """q_fragment, k_fragment and v_fragment as plain Python (``plain_python_method``), with stand-ins for what they
+    call: the constexpr loops, ``cute.size`` of a ``Fragment``, ``cute.local_tile`` of a list."""
+    import types
+
+    def local_tile(values, shape, coord):
+        (n,), (i,) = shape, coord
+        return values[i * n:(i + 1) * n]
+
+    def size(t, mode=None):
+        sizes = [math.prod(m) if isinstance(m, tuple) else m for m in t.modes]
+        return math.prod(sizes) if mode is None else math.prod(sizes[m] for m in mode)
+
+    methods = {}
+    for name in ("q_fragment", "k_fragment", "v_fragment"):
+        fn, namespace = plain_python_method(module, "TensorCoreDecode", name)
+        namespace["cutlass"] = types.SimpleNamespace(range_constexpr=range, const_expr=bool)
+        namespace["cute"] = types.SimpleNamespace(size=size, local_tile=local_tile)
+        methods[name] = fn
+    return methods
+
+
+def check_fragments(module, head_dim: int, cache_dtype: str = "float16") -> None:
+    """Your q_fragment, k_fragment and v_fragment for every lane of one warp, then S = Q K^T and O = P V on the
+    fragments as mma.sync.m16n8k16 reads them (PTX's fragment layouts), against q @ k^T and p @ v in float64:
+    16 heads, 16 keys, the ring's swizzled tile, D split in two parts at D = 256 as the kernel splits it."""
+    import types
+
+    gen = torch.Generator().manual_seed(head_dim)
+    k_elems, v_elems = module.k_piece(cache_dtype), module.v_piece(cache_dtype, head_dim)
+    chunks, k_pieces = head_dim // k_elems, head_dim // 4 // k_elems
+    thread = types.SimpleNamespace(k_elems=k_elems, v_elems=v_elems, chunks=chunks, k_pieces=k_pieces,
+                                   piece_to_registers=lambda piece: piece)
+    q, k, v = (torch.randn(16, head_dim, generator=gen, dtype=torch.float64) for _ in range(3))
+    p = torch.rand(16, 16, generator=gen, dtype=torch.float64)
+
+    def ring_tile(rows):  # chunk c of row r at c ^ swizzle(r), as the copies place it
+        tile = torch.empty(16, chunks, k_elems, dtype=torch.float64)
+        for r in range(16):
+            for c in range(chunks):
+                tile[r, c ^ module.swizzle(r, chunks)] = rows[r, c * k_elems:(c + 1) * k_elems]
+        return _Tile(tile)
+
+    sK, sV = ring_tile(k), ring_tile(v)
+    methods = _fragment_methods(module)
+    parts = 2 if head_dim > 128 else 1
+    where = f"the fragments on the CPU (D = {head_dim}, {cache_dtype} cache, one warp)"
+    s = torch.zeros(16, 16, dtype=torch.float64)
+    o = torch.full((16, head_dim), math.nan, dtype=torch.float64)
+    for part in range(parts):
+        a = torch.zeros(head_dim // 16 // parts, 16, 16, dtype=torch.float64)
+        b_k = torch.zeros(head_dim // 16 // parts, 2, 16, 8, dtype=torch.float64)
+        b_v = torch.zeros(head_dim // 8 // parts, 16, 8, dtype=torch.float64)
+        for lane in range(32):
+            g, kq = lane // 4, lane % 4
+            at = f"{where}, lane {lane} (g = {g}, kq = {kq})"
+            r_q = Fragment(((2, 2, 2), 1, head_dim // 16), "r_q", at + ", q_fragment")
+            for r in range(2):
+                for piece in range(k_pieces):
+                    chunk = 4 * piece + kq
+                    methods["q_fragment"](thread, r_q, list(q[g + 8 * r, chunk * k_elems:(chunk + 1) * k_elems]), r, piece)
+            r_k = Fragment(((2, 2), 2, head_dim // 16 // parts), "r_k", at + ", k_fragment")
+            methods["k_fragment"](thread, sK, r_k, g, kq, part * k_pieces // parts)
+            r_v = Fragment(((2, 2), head_dim // 8 // parts, 1), "r_v", at + ", v_fragment")
+            methods["v_fragment"](thread, sV, r_v, g, kq, part * (head_dim // 8 // v_elems) // parts)
+            q_values = r_q.filled()[part * len(r_q.values) // parts:(part + 1) * len(r_q.values) // parts]
+            for kb in range(head_dim // 16 // parts):  # PTX: A value i at row g + 8 (i // 2 % 2), column 2kq + i % 2 + 8 (i // 4)
+                for i in range(8):
+                    a[kb, g + 8 * (i // 2 % 2), 2 * kq + i % 2 + 8 * (i // 4)] = q_values[8 * kb + i]
+                for j in range(2):  # B value i at row (k) 2kq + i % 2 + 8 (i // 2), column (n) g
+                    for i in range(4):
+                        b_k[kb, j, 2 * kq + i % 2 + 8 * (i // 2), g] = r_k.filled()[i + 4 * j + 8 * kb]
+            for nb in range(head_dim // 8 // parts):
+                for i in range(4):
+                    b_v[nb, 2 * kq + i % 2 + 8 * (i // 2), g] = r_v.filled()[i + 4 * nb]
+        for kb in range(head_dim // 16 // parts):
+            for j in range(2):
+                s[:, 8 * j:8 * j + 8] += a[kb] @ b_k[kb, j]
+        for nb in range(head_dim // 8 // parts):  # C value i at row g + 8 (i // 2), column 2kq + i % 2: o_column maps it
+            block = p @ b_v[nb]
+            for lane in range(32):
+                g, kq = lane // 4, lane % 4
+                for i in range(4):
+                    column = module.o_column(4 * (nb + part * head_dim // 8 // parts) + i, kq, v_elems)
+                    o[g + 8 * (i // 2), column] = block[g + 8 * (i // 2), 2 * kq + i % 2]
+    assert_close(s, q @ k.T, where + ": S = Q K^T from r_q and r_k", "Q's and K's fragments disagree on a column, or a "
+                 "value sits in another slot than the MMA reads it from (page: The m16n8k16 fragments)")
+    assert_close(o, p @ v, where + ": O = P V from r_v", "V's keys are not P's (v_slot_key), or an element sits in "
+                 "another column block (page: V's B fragment)")
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor, where: str, look: str) -> None:
+    bad = ~torch.isclose(got, expected, rtol=1e-9, atol=1e-9)
+    if bad.any():
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise AssertionError(f"{where}: {int(bad.sum())} of {bad.numel()} values differ, first at [{row}, {col}]: got "
+                             f"{float(got[row, col]):.4f}, expected {float(expected[row, col]):.4f}. {look}")

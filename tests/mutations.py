@@ -100,6 +100,14 @@ class DropConjunct:
     nth: int = 0
 
 
+@dataclass(frozen=True)
+class DropIndexTerm:
+    """In the ``nth`` assignment to a subscript (``x[i + j + ...] = ...``), the index loses its addend ``term``
+    (0 is the leftmost): two elements meet in one slot, or one lands elsewhere."""
+    term: int
+    nth: int = 0
+
+
 def _assignment(function: ast.AST, target: str, nth: int) -> ast.stmt:
     found = sorted((n for n in ast.walk(function)
                     if (target == "return" and isinstance(n, ast.Return))
@@ -223,6 +231,20 @@ def _apply(function: ast.FunctionDef, mutation) -> None:
             del node.test.values[mutation.index]
             if len(node.test.values) == 1:
                 node.test = node.test.values[0]
+    elif isinstance(mutation, DropIndexTerm):
+        stores = sorted((n for n in ast.walk(function) if isinstance(n, ast.Assign)
+                         and isinstance(n.targets[0], ast.Subscript)), key=lambda n: n.lineno)
+        target = stores[mutation.nth].targets[0]
+        addends, node = [], target.slice
+        while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            addends.insert(0, node.right)
+            node = node.left
+        addends.insert(0, node)
+        del addends[mutation.term]
+        index = addends[0]
+        for addend in addends[1:]:
+            index = ast.BinOp(index, ast.Add(), addend)
+        target.slice = index
     else:
         raise TypeError(f"not a mutation: {mutation!r}")
 

@@ -6,8 +6,8 @@ learner's code), where they pass; here each check meets one bug it exists to cat
 
 import cpu_numerics
 import pytest
-from mutations import (Delete, DropConjunct, DropFactor, DropTerm, KeepArgument, MoveBefore, SetArgument, SetTest,
-                       SetValue, Square, Unwrap, mutate)
+from mutations import (Delete, DropConjunct, DropFactor, DropIndexTerm, DropTerm, KeepArgument, MoveBefore, SetArgument,
+                       SetTest, SetValue, Square, Unwrap, mutate)
 
 from course.runtime import stages
 
@@ -56,6 +56,10 @@ PLANTED = {
     "fragment-without-the-minus-inf-guard": (  # a row with no key yet: exp2(-inf - (-inf))
         9, "online_softmax_update", [SetValue("safe_max", "row_max[r]", nth=1)],
         lambda m: cpu_numerics.check_fragment_softmax(m, (0, 5))),
+    "q-fragment-rows-collide": (9, "q_fragment", [DropIndexTerm(1)], lambda m: cpu_numerics.check_fragments(m, 128)),
+    "k-fragment-key-blocks-collide": (9, "k_fragment", [DropIndexTerm(1)],
+                                      lambda m: cpu_numerics.check_fragments(m, 64, "float8_e4m3fn")),
+    "v-fragment-keys-collide": (9, "v_fragment", [DropIndexTerm(0)], lambda m: cpu_numerics.check_fragments(m, 256)),
     "last-group-of-heads-not-short": (8, "coords", [SetValue("heads_here", "group")],
                                       lambda m: cpu_numerics.check_schedule(m, **SCHEDULE, longest_first=False)),
     "group-ignores-l2": (8, "l2_group", [DropConjunct(1)],

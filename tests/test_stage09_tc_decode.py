@@ -260,6 +260,15 @@ def test_on_cpu_online_softmax_update(stage, lengths, logit_scale):
     cpu_numerics.check_fragment_softmax(stage, lengths, logit_scale=logit_scale)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float16", "float8_e4m3fn"], ids=["16-bit", "fp8"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256], ids=lambda d: f"d{d}")
+def test_on_cpu_fragments(stage, head_dim, cache_dtype):
+    """Your q_fragment, k_fragment and v_fragment for all 32 lanes of a warp, then S = Q K^T and O = P V as
+    mma.sync.m16n8k16 reads the fragments, against q @ k^T and p @ v: every slot written once, Q and K on the
+    same columns, V's keys P's (tests/cpu_numerics.py)."""
+    cpu_numerics.check_fragments(stage, head_dim, cache_dtype)
+
+
 # ---------------------------------------------------------------- cross-compile (CPU)
 
 CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS

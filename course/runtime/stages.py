@@ -152,7 +152,7 @@ STAGES = [
     Stage(9, "tc_decode", "Tensor-core decode, FP8 KV cache",
           "GQA packing on mma.sync, whole-row copies into swizzled warp tiles, an e4m3 cache with scales",
           ready=True, kind="decode", bench_shapes=DECODE_GROUPINGS, starts_from=7,
-          cpu_numerics=("online_softmax_update",)),
+          cpu_numerics=("online_softmax_update", "q_fragment", "k_fragment", "v_fragment")),
     Stage(10, "varlen_prefill", "Variable-length and paged prefill",
           "packed sequences of different lengths, a paged KV cache, a scheduler over ragged tiles",
           ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False, ragged_shapes=RAGGED,

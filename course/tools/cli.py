@@ -301,7 +301,13 @@ def _print_first_failure(stage: stages.Stage, impl: str, report) -> None:
         lines.print(f"{path.relative_to(stages.ROOT).as_posix()}:{line}" + ("" if todo else f": {source}"), markup=False)
     message = error_message(report)
     lines.print(message or "(no message)", markup=False)
-    if "Hints" not in message:
+    earlier = re.search(r"TODO\(stage (\d+)\)", message or "")
+    if earlier and int(earlier.group(1)) != stage.number:  # a TODO of a stage this one imports from
+        number = int(earlier.group(1))
+        lines.print(f"That TODO is stage {number}'s: stage {stage.number} imports it from your "
+                    f"{stages.get(number).path(impl).relative_to(stages.ROOT).as_posix()}. Finish stage {number} "
+                    f"first: python -m course check {number}", markup=False)
+    elif "Hints" not in message:
         from course.tools import skeleton
 
         lines.print(skeleton.hints_pointer(stage.number, stage.docs_page), markup=False)
