@@ -127,6 +127,12 @@ def compare_with_reference(out, q, k, v, **features) -> ErrorReport:
     return ErrorReport(diff.max().item(), diff.mean().item(), base.max().item(), base.mean().item())
 
 
+def assert_in_ptx(ptx: str, instruction: str, why: str) -> None:
+    """A compiled kernel's PTX holds ``instruction``; if not, say what is missing and why it belongs (not the PTX)."""
+    if instruction not in ptx:
+        raise AssertionError(f"the kernel's PTX has no {instruction}: {why}")
+
+
 def assert_no_nan(out, where: str, index_names: str, why: str) -> None:
     """Fail with the count and the first position of NaN outputs, and what NaN means for this kernel."""
     nan = torch.isnan(out)
