@@ -1570,15 +1570,16 @@ def check_fragments(module, head_dim: int, cache_dtype: str = "float16") -> None
             r_v = Fragment(((2, 2), head_dim // 8 // parts, 1), "r_v", at + ", v_fragment")
             methods["v_fragment"](thread, sV, r_v, g, kq, part * (head_dim // 8 // v_elems) // parts)
             q_values = r_q.filled()[part * len(r_q.values) // parts:(part + 1) * len(r_q.values) // parts]
+            k_values, v_values = r_k.filled(), r_v.filled()
             for kb in range(head_dim // 16 // parts):  # PTX: A value i at row g + 8 (i // 2 % 2), column 2kq + i % 2 + 8 (i // 4)
                 for i in range(8):
                     a[kb, g + 8 * (i // 2 % 2), 2 * kq + i % 2 + 8 * (i // 4)] = q_values[8 * kb + i]
                 for j in range(2):  # B value i at row (k) 2kq + i % 2 + 8 (i // 2), column (n) g
                     for i in range(4):
-                        b_k[kb, j, 2 * kq + i % 2 + 8 * (i // 2), g] = r_k.filled()[i + 4 * j + 8 * kb]
+                        b_k[kb, j, 2 * kq + i % 2 + 8 * (i // 2), g] = k_values[i + 4 * j + 8 * kb]
             for nb in range(head_dim // 8 // parts):
                 for i in range(4):
-                    b_v[nb, 2 * kq + i % 2 + 8 * (i // 2), g] = r_v.filled()[i + 4 * nb]
+                    b_v[nb, 2 * kq + i % 2 + 8 * (i // 2), g] = v_values[i + 4 * nb]
         for kb in range(head_dim // 16 // parts):
             for j in range(2):
                 s[:, 8 * j:8 * j + 8] += a[kb] @ b_k[kb, j]

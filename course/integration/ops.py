@@ -329,14 +329,19 @@ _LIBRARY.define("decode_attention_append(Tensor q, Tensor(a!) k_cache, Tensor(b!
                 f"bool rotary_interleaved=False, {_DECODE_OPTIONS}) -> Tensor")
 
 
-def _decode_extras(**extras) -> dict:
-    """The stage-9 arguments a call uses: an earlier decode stage has no such keyword, and says so."""
+def _decode(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scale, window_size_left, sink_logits,
+            num_sink_tokens, num_splits, check_lengths, **extras):
+    """Both decode ops' call of the backing decode function. ``extras``: the stage-9 arguments; only those a
+    call uses are passed on, as an earlier decode stage has no such keyword (and says so if one is used)."""
     given = {name: value for name, value in extras.items() if value is not None and value is not False}
     if given and _backing.decode < validation.DECODE_EXTRAS_STAGE[0] and _backing.impl != "reference":
         stage, what = validation.DECODE_EXTRAS_STAGE
         raise NotImplementedError(f"{next(iter(given))} is not implemented in stage {_backing.decode}; stage "
                                   f"{stage} ({what}) adds it")
-    return given
+    return decode_function()(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
+                             softmax_scale=softmax_scale, window_size_left=window_size_left,
+                             sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, num_splits=num_splits,
+                             check_lengths=check_lengths, **given)
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None, softmax_scale=None,
@@ -350,12 +355,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_
     ``v_scale``; ``alibi_slopes`` and a rolling cache (``cache_capacity``) as
     stage 9 takes them.
     """
-    return decode_function()(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                             softmax_scale=softmax_scale, window_size_left=window_size_left,
-                             sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, num_splits=num_splits,
-                             check_lengths=check_lengths,
-                             **_decode_extras(k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-                                              cache_capacity=cache_capacity))
+    return _decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+                   window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                   num_splits=num_splits, check_lengths=check_lengths, k_scale=k_scale, v_scale=v_scale,
+                   alibi_slopes=alibi_slopes, cache_capacity=cache_capacity)
 
 
 @torch.library.register_fake("course::decode_attention")
@@ -372,14 +375,11 @@ def decode_attention_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, ro
     """One decode step that appends its token (docs/contract.md, the serving extras): k_new and v_new
     [B, H_kv, D] are written to the caches at position cache_seqlens[b] (rotated with rotary_cos/sin),
     and the query attends to the cache_seqlens[b] + 1 keys. cache_seqlens is not changed."""
-    return decode_function()(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
-                             softmax_scale=softmax_scale, window_size_left=window_size_left,
-                             sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, num_splits=num_splits,
-                             check_lengths=check_lengths,
-                             **_decode_extras(k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                              rotary_interleaved=rotary_interleaved, k_scale=k_scale,
-                                              v_scale=v_scale, alibi_slopes=alibi_slopes,
-                                              cache_capacity=cache_capacity))
+    return _decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
+                   window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
+                   num_splits=num_splits, check_lengths=check_lengths, k_new=k_new, v_new=v_new,
+                   rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                   k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, cache_capacity=cache_capacity)
 
 
 @torch.library.register_fake("course::decode_attention_append")

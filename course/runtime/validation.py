@@ -454,8 +454,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     _check_kv_scales(k_scale, v_scale, quantized=quantized, cache_dtype=k_cache.dtype, heads_kv=h_kv)
     if out is not None:
         _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
-    check_per_head("alibi_slopes", alibi_slopes, h_q, "one slope per query head: the bias is -slope x (query "
-                    "position - key position)")
+    check_per_head("alibi_slopes", alibi_slopes, h_q, ALIBI_MEANING)
     rotary_dim, rotary_positions = _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved,
                                                  heads_kv=h_kv)
     rolling = _check_rolling(cache_capacity, capacity, window_size_left, num_sink_tokens)
@@ -513,6 +512,7 @@ def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *
 
 
 SINK_LOGITS_MEANING = "one natural-log logit per query head"
+ALIBI_MEANING = "one slope per query head: the bias is -slope x |query position - key position|"
 
 
 def check_per_head(name: str, t, heads: int, meaning: str) -> None:

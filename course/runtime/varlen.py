@@ -123,9 +123,6 @@ def attention_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens
     return run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out, alibi_slopes)
 
 
-ALIBI_MEANING = "one slope per query head: the bias is -slope x |query position - key position|"
-
-
 def plan_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 seqused_k, block_table, softmax_scale, causal, window_size, sink_logits, num_sink_tokens,
                 return_lse, out, alibi_slopes=None):
@@ -135,7 +132,7 @@ def plan_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, m
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out)
-    validation.check_per_head("alibi_slopes", alibi_slopes, shape.heads_q, ALIBI_MEANING)
+    validation.check_per_head("alibi_slopes", alibi_slopes, shape.heads_q, validation.ALIBI_MEANING)
     validation.check_on_gpu(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                             block_table=block_table, sink_logits=sink_logits, out=out, alibi_slopes=alibi_slopes)
     return _plan_launch(kernel_class, q, shape, causal=causal, window_size=window_size, sink_logits=sink_logits,
@@ -222,7 +219,7 @@ def plan_dense(stage: int, kernel_class, q, k, v, *, softmax_scale, causal, wind
     shape = validation.check_attention_inputs(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, sink_logits=sink_logits,
         num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out)
-    validation.check_per_head("alibi_slopes", alibi_slopes, shape.heads_q, ALIBI_MEANING)
+    validation.check_per_head("alibi_slopes", alibi_slopes, shape.heads_q, validation.ALIBI_MEANING)
     validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits, alibi_slopes=alibi_slopes)
     b, s_q, s_k = shape.batch, shape.seqlen_q, shape.seqlen_k
     packed = validation.VarlenShape(b, b * s_q, b * s_k, shape.heads_q, shape.heads_kv, shape.head_dim,

@@ -133,6 +133,15 @@ def assert_in_ptx(ptx: str, instruction: str, why: str) -> None:
         raise AssertionError(f"the kernel's PTX has no {instruction}: {why}")
 
 
+def assert_split_kv_decode_in_ptx(ptx: str) -> None:
+    """What stage 7's and 9's decode kernels share in their PTX: 16-byte cp.async copies of the cache, and the
+    last-block protocol (an acq_rel arrival, the last CTA's relaxed reset of the counter)."""
+    assert_in_ptx(ptx, "cp.async.cg.shared.global", "K/V rows must stream in with 16-byte cp.async copies")
+    assert_in_ptx(ptx, "atom.global.acq_rel.add", "arrival: an acq_rel atomic")
+    assert_in_ptx(ptx, "st.relaxed.gpu.global", "the last CTA resets its arrival counter with a relaxed store, so "
+                  "that the next launch finds 0 (arrive_and_elect_last, stage 7; page: The multi-block reduction)")
+
+
 def assert_no_nan(out, where: str, index_names: str, why: str) -> None:
     """Fail with the count and the first position of NaN outputs, and what NaN means for this kernel."""
     nan = torch.isnan(out)
