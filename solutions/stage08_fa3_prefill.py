@@ -346,6 +346,14 @@ class WindowMask:
                         s[r, c] = -cutlass.Float32.inf
         # [/exercise]
 
+    # A tile with no masked key keeps its scores: the loop over full tiles calls nothing. A mask that
+    # changes every score (stage 10's ALiBi bias) sets this and gives apply_full its full-tile work.
+    changes_full_tiles = False
+
+    @cute.jit
+    def apply_full(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
+        """What a full tile (tile_is_partial False) needs: nothing, for a window."""
+
 
 @cute.jit
 def online_softmax(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
@@ -417,9 +425,11 @@ def load_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cut
 def mask_scores(acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32, mask: WindowMask):
     """Invisible keys of KV tile ``n_block`` to -inf; only tiles that straddle a boundary pay for it."""
     # (A runtime `if` may not carry a plain Python object such as `mask` across it; its bound method is fine.)
-    apply_mask = mask.apply
+    apply_mask, apply_full = mask.apply, mask.apply_full
     if mask.tile_is_partial(n_block):
         apply_mask(acc_S, tScS, n_block)
+    elif cutlass.const_expr(mask.changes_full_tiles):
+        apply_full(acc_S, tScS, n_block)
 
 
 @cute.jit
@@ -574,7 +584,8 @@ def attend_kv_tiles_overlapped(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc
     Q is released as soon as its last Q K^T is done. Returns the advanced K and
     V pipeline states (the caller rebinds them: see attend_kv_tiles_pingpong).
     """
-    kv_block, apply_mask = mask.kv_block, mask.apply
+    kv_block, apply_mask, apply_full = mask.kv_block, mask.apply, mask.apply_full
+    changes_full_tiles = mask.changes_full_tiles
     masked_end, unmasked_end = mask.unmasked_steps(n_block_min, n_block_max)
     if n_tiles > 0:  # the first tile: its scores and its P, no P V yet
         tile_scores(qk_mma, acc_S, tSrQ, tSrK, pipeline_k, k_state, tScS, kv_block(0, n_block_min, n_block_max),
@@ -590,8 +601,8 @@ def attend_kv_tiles_overlapped(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc
         v_state.advance()
     for i in cutlass.range(cutlass.max(masked_end, 1), unmasked_end, unroll=1):  # full tiles: no mask
         overlapped_step(qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_k, k_state, pipeline_v,
-                        v_state, tScS, kv_block(i, n_block_min, n_block_max), apply_mask, row_max, row_sum,
-                        row_scale, scale_log2, mma_wg, num_wgs, tight, False)
+                        v_state, tScS, kv_block(i, n_block_min, n_block_max), apply_full, row_max, row_sum,
+                        row_scale, scale_log2, mma_wg, num_wgs, tight, changes_full_tiles)
         k_state.advance()
         v_state.advance()
     for i in cutlass.range(cutlass.max(unmasked_end, 1), n_tiles, unroll=1):  # cut by the left bound; sink tiles

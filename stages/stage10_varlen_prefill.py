@@ -285,8 +285,10 @@ def store_o_rows_bounded(acc_O: cute.Tensor, gO: cute.Tensor, pv_mma_wg: cute.Ti
 class AlibiMask(WindowMask):
     """Stage 8's mask plus ALiBi: every score gets - slope x |query position - key position| (bottom-right
     aligned positions, as the mask's), before the mask. The scores are raw (the softmax scale multiplies
-    them inside the exponent), so the slope comes in raw units, slope / softmax_scale. Every tile gets the
-    bias, so every step is a masked step: the loop without masks is never taken."""
+    them inside the exponent), so the slope comes in raw units, slope / softmax_scale. Tiles cut by the
+    window pay for the bias and the mask (``apply``); full tiles, the bias alone (``apply_full``)."""
+
+    changes_full_tiles = True  # the bias changes every score, so the loop over full tiles calls apply_full
 
     def __init__(self, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, tile_m: int, tile_n: int,
                  slope_raw):
@@ -294,7 +296,7 @@ class AlibiMask(WindowMask):
         self.slope_raw = slope_raw
 
     @cute.jit
-    def apply(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
+    def apply_full(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
         s = rows_cols_view(acc_S)
         coord = rows_cols_view(tScS)
         key0 = n_block * self.tile_n
@@ -305,15 +307,11 @@ class AlibiMask(WindowMask):
             for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 distance = first - cutlass.Float32(coord[r, c][1] - coord[r, 0][1])
                 s[r, c] = s[r, c] - self.slope_raw * abs(distance)
+
+    @cute.jit
+    def apply(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
+        self.apply_full(acc_S, tScS, n_block)
         WindowMask.apply(self, acc_S, tScS, n_block)
-
-    @cute.jit
-    def tile_is_partial(self, n_block: cutlass.Int32):
-        return n_block >= 0  # every tile gets the bias
-
-    @cute.jit
-    def unmasked_steps(self, n_block_min: cutlass.Int32, n_block_max: cutlass.Int32):
-        return cutlass.Int32(1), cutlass.Int32(1)  # no step without the mask (see attend_kv_tiles_overlapped)
 # --8<-- [end:alibi]
 
 

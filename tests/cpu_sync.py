@@ -161,8 +161,12 @@ class Mask:
     def tile_is_partial(self, _n_block):
         return True
 
+    changes_full_tiles = False
+
     def apply(self, acc_S, _coords, _n_block):
         self.rec.add("write", regs=acc_S)
+
+    apply_full = apply
 
 
 class Strict:
