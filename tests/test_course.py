@@ -854,3 +854,61 @@ def test_decode_variants_render_the_rules_choice_in_bold(tmp_path):
     keys = (tmp_path / decode_variants.file_name("keys per split")).read_text()
     assert "| 1, 256, 8/1 | 6.0 | - | 7.7 | **6.9** |" in keys and "512 keys per split" in keys
     assert "Not measured yet" in (tmp_path / decode_variants.file_name("row tiles")).read_text()
+
+
+def test_kv_cache_bench_renders_speedups_sizes_and_logit_differences(tmp_path):
+    """`kv_cache_bench --render`: a row per (model, batch, context): the three caches' step times, the bf16 time
+    over each quantized one's, the caches' sizes and the logits' difference from the bf16 cache's."""
+    import json
+
+    from course.tools import kv_cache_bench
+
+    def cache(ms, gib, difference):
+        return {"ms": ms, "bytes": gib * 2**30, "max_logit_difference": difference,
+                "mean_logit_difference": difference / 10}
+
+    results = {"environment": {"gpu": "H100", "torch": "2.x", "transformers": "5.x"},
+               "rows": {"llama": [{"batch": 8, "context": 32768, "logit_std": 2.5, "caches": {
+                   "bfloat16": cache(4.0, 4.0, 0.0), "float8_e4m3fn": cache(2.5, 2.0, 0.031),
+                   "int8": cache(2.0, 2.0, 0.02)}}]}}
+    (tmp_path / kv_cache_bench.JSON).write_text(json.dumps(results))
+    kv_cache_bench.main(["--render", "--out", str(tmp_path)])
+    text = (tmp_path / kv_cache_bench.MD).read_text()
+    assert ("| Llama, same attention | 8 | 32768 | 4.00 | 2.50 | 2.00 | 1.60x | 2.00x | 4.00 / 2.00 | 2.50 | "
+            "0.003 / 0.031 | 0.002 / 0.020 |") in text, text
+
+
+def test_stalls_cut_the_busiest_loop_at_its_waits(tmp_path):
+    """`course.tools.stalls`: ncu's source page (a kernel line, a header, a row per SASS instruction at absolute
+    addresses) -> each HGMMA loop's samples, the busiest one cut at its wait_group 1 and wait_group 0."""
+    import json
+
+    from course.tools import stalls
+
+    base = 0x7F0000001000
+    program = [("HGMMA.64x128x16.F32 R24, gdesc[UR20], RZ", 5, {"stall_math": 5}),
+               ("WARPGROUP.DEPBAR.LE gsb0, 0x1", 7, {"stall_barrier": 7}),
+               ("FMNMX R1, R2, R3, !PT", 3, {"stall_wait": 3}),
+               ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 4, {"stall_barrier": 4}),
+               ("MUFU.EX2 R4, R4", 10, {"stall_wait": 6, "stall_selected": 4}),
+               (f"@P0 BRA {base:#x}", 1, {"stall_branch_resolving": 1}),
+               ("EXIT", 0, {})]
+    reasons = ["stall_barrier", "stall_branch_resolving", "stall_math", "stall_selected", "stall_wait"]
+    header = ["Address", "Source", stalls.ALL, *reasons, *(f"{r} (Not Issued)" for r in reasons)]
+    lines = ['"Kernel Name","kernel_x",', ",".join(f'"{h}"' for h in header)]
+    for i, (source, samples, stall) in enumerate(program):
+        cells = [f"{base + 16 * i:#x}", f"      {source}", str(samples), *(str(stall.get(r, 0)) for r in reasons),
+                 *("0" for _ in reasons)]
+        lines.append(",".join(f'"{c}"' for c in cells))
+    summary = stalls.summarize(stalls.instructions(stalls.parse_source_csv("\n".join(lines))))
+    assert summary["samples"] == 30
+    (loop,) = summary["loops"]
+    assert (loop["start"], loop["instructions"], loop["samples"], loop["exp2"]) == (0, 6, 30, 1)
+    cut = {name: region["samples"] for name, region in loop["regions"].items()}
+    assert cut == {"issue": 5, "wait_group 1": 7, "between the waits": 3, "wait_group 0": 4, "after wait_group 0": 11}
+    results = {"environment": {"gpu": "H100"}, "shape": "fp16", "non-causal": summary, "causal": summary}
+    (tmp_path / stalls.JSON).write_text(json.dumps(results))
+    stalls.main(["--render", "--out", str(tmp_path)])
+    text = (tmp_path / stalls.MD).read_text()
+    assert "| wait_group 0 | waiting for `P V` | 13.3% | 0 | barrier 100% |" in text, text
+    assert "| after wait_group 0 | the rest of the softmax, P and O written | 36.7% | 1 | wait 55%, selected 36%" in text

@@ -110,8 +110,9 @@ def test_mask_counts_the_real_keys():
     for counts in (models.visible_key_counts(2, 1, kv_length=51, q_offset=50, device="cpu"),  # full layer
                    models.visible_key_counts(2, 1, kv_length=51, q_offset=300, kv_offset=250, device="cpu")):
         assert counts.tolist() == [51, 51] and counts.dtype == torch.int32
-    counts = models.visible_key_counts(3, 1, kv_length=64, q_offset=torch.tensor(9), device="cpu")
-    assert counts.tolist() == [10, 10, 10] and counts.dtype == torch.int32
+    for batch in (3, 1):  # the kernels take the counts with a unit stride, one sequence too
+        counts = models.visible_key_counts(batch, 1, kv_length=64, q_offset=torch.tensor(9), device="cpu")
+        assert counts.tolist() == [10] * batch and counts.dtype == torch.int32 and counts.stride() == (1,)
 
 
 # ---------------------------------------------------------------- whole models (CPU: reference; GPU: kernels)
@@ -196,6 +197,78 @@ def test_static_caches_on_the_reference(backed_by, family, make_cache):
     backed_by(impl="reference")
     config = cpu_config(family)
     check_incremental(config, torch.bfloat16, token_ids(config, 2, 48, "cpu"), prompt=30, make_cache=make_cache)
+
+
+# ---------------------------------------------------------------- a quantized KV cache in the model
+
+QUANTIZED = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+
+def check_quantized(config, dtype, ids, prompt, cache_dtype, max_cache_len=None):
+    """The course backend over ``models.quantized_cache`` (its decode steps read the cache as stored, with the
+    scales), next to eager attention over the same cache dequantized (``dequantized=True``), against eager
+    float32 over it: the usual yardstick, with the cache's rounding in all three. The logits must differ
+    from a 16-bit cache's: otherwise nothing was quantized."""
+    reference = build(config, ids.device)
+    runs = {}
+    with torch.no_grad():
+        for name, model_dtype, backend in (("float32", torch.float32, "eager"), ("eager", dtype, "eager"),
+                                           ("course", dtype, "course")):
+            model = models.in_dtype(reference, model_dtype, backend)
+            cache = models.quantized_cache(model, cache_dtype, max_cache_len, dequantized=backend == "eager")
+            runs[name] = models.incremental_logits(model, ids, prompt, cache)
+        sixteen_bit = models.incremental_logits(models.in_dtype(reference, dtype, "course"), ids, prompt)
+    where = f"{config.model_type} {dtype}, {cache_dtype} cache" + (f" of {max_cache_len} slots" if max_cache_len else "")
+    for step in range(runs["course"].shape[1]):
+        assert_within_yardstick(runs["course"][:, step], runs["eager"][:, step], runs["float32"][:, step],
+                                f"{where}, position {prompt - 1 + step}")
+    assert not torch.equal(runs["course"], sixteen_bit), f"{where}: the logits of a 16-bit cache: K and V unquantized?"
+
+
+@pytest.mark.parametrize("max_cache_len", [None, 64], ids=["dynamic", "static"])
+@pytest.mark.parametrize("cache_dtype", QUANTIZED.values(), ids=QUANTIZED.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_quantized_cache_on_the_reference(backed_by, family, cache_dtype, max_cache_len):
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    check_quantized(config, torch.bfloat16, token_ids(config, 2, 48, "cpu"), 30, cache_dtype, max_cache_len)
+
+
+@pytest.mark.parametrize("cache_dtype", QUANTIZED.values(), ids=QUANTIZED.keys())
+def test_quantized_cache_layer_stores_what_the_kernel_reads(cache_dtype):
+    """The prompt sets each KV head's scale (CALIBRATION_HEADROOM x its largest magnitude on the format's
+    largest value); every update stores ``kv_cache.quantize_rows`` of its rows with those scales, larger
+    values clamped; a reset calibrates again."""
+    from course.runtime import kv_cache
+
+    gen = torch.Generator().manual_seed(0)
+    prompt = [torch.randn(2, 3, 10, 8, generator=gen).to(torch.bfloat16) * torch.tensor([1.0, 4.0, 0.25])[:, None, None]
+              for _ in range(2)]
+    step = [torch.randn(2, 3, 1, 8, generator=gen).to(torch.bfloat16) * 50 for _ in range(2)]
+    scales = [torch.zeros(3), torch.zeros(3)]
+    for layer in (models.QuantizedDynamicLayer(cache_dtype, *scales), models.QuantizedStaticLayer(cache_dtype, *scales,
+                                                                                                   max_cache_len=16)):
+        layer.update(*prompt)
+        for scale, states in zip(scales, prompt):
+            amax = states.float().abs().amax(dim=(0, 2, 3))
+            torch.testing.assert_close(scale, amax * models.CALIBRATION_HEADROOM / kv_cache.QUANTIZED_DTYPES[cache_dtype],
+                                       rtol=0, atol=0)
+        keys, values = layer.update(*step)
+        assert keys.dtype == values.dtype == cache_dtype
+        for stored, index in ((keys, 0), (values, 1)):
+            rows = torch.cat([prompt[index], step[index]], dim=2)
+            expected = kv_cache.quantize_rows(rows, scales[index].view(1, -1, 1, 1), cache_dtype)
+            assert torch.equal(stored[:, :, :11].view(torch.uint8), expected.view(torch.uint8)), type(layer).__name__
+            assert stored[:, :, 10].float().abs().max() == kv_cache.QUANTIZED_DTYPES[cache_dtype], "the step's rows clamp"
+        before = scales[0].clone()
+        layer.reset()
+        layer.update(step[0], step[1])
+        assert not torch.equal(scales[0], before), f"{type(layer).__name__}: a reset cache kept the old scales"
+
+
+def test_quantized_cache_takes_fp8_and_int8_only():
+    with pytest.raises(TypeError, match="float8_e4m3fn or torch.int8"):
+        models.quantized_cache(models.random_model(cpu_config("llama")), torch.float16)
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "llama"])
@@ -461,10 +534,11 @@ def test_torch_compile_on_gpu_gives_the_same_logits(kernels, family):
     torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=2e-2)
 
 
-def graphed_decode_logits(model, ids, prompt):
-    """Like models.incremental_logits over a static cache, but every step after the first is a replay of one
-    CUDA graph of the whole model's decode step (token and position in static buffers)."""
-    cache = models.graph_safe_cache(model, max_cache_len=ids.shape[1])
+def graphed_decode_logits(model, ids, prompt, cache=None):
+    """Like models.incremental_logits over a static cache (``graph_safe_cache`` when None), but every step after
+    the first is a replay of one CUDA graph of the whole model's decode step (token and position in static
+    buffers)."""
+    cache = cache if cache is not None else models.graph_safe_cache(model, max_cache_len=ids.shape[1])
     logits = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
     token, position = ids[:, prompt:prompt + 1].clone(), torch.full((1, 1), prompt, device=ids.device)
 
@@ -519,3 +593,34 @@ def test_generate_with_a_static_cache_and_torch_compile(kernels, family):
         again = model.generate(ids, **options)  # the graphs replayed, with the lengths of a new generation
     assert torch.equal(compiled, eager), f"{family}: the compiled generation's tokens differ from the eager ones"
     assert torch.equal(again, eager), f"{family}: a second compiled generation differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_cache_len", [None, 220], ids=["dynamic", "static"])
+@pytest.mark.parametrize("cache_dtype", QUANTIZED.values(), ids=QUANTIZED.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_quantized_cache_on_gpu(kernels, family, cache_dtype, max_cache_len):
+    """A 200-token prompt, then 20 decode steps on stage 9 reading the FP8 or int8 cache as it is stored."""
+    config = gpu_config(family)
+    check_quantized(config, torch.bfloat16, token_ids(config, 2, 220, "cuda"), 200, cache_dtype, max_cache_len)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_quantized_cache_under_cuda_graphs_and_torch_compile(kernels, family):
+    """A static FP8 cache: a replayed CUDA graph of the decode step gives the eager steps' logits, and ``generate``
+    compiled over it (transformers compiles the step for a static cache) the tokens of the eager generation."""
+    config = gpu_config(family)
+    model = models.in_dtype(build(config, "cuda"), torch.bfloat16, "course")
+    ids, prompt = token_ids(config, 2, 220, "cuda"), 200
+    with torch.no_grad():
+        eager = models.incremental_logits(model, ids, prompt, models.quantized_cache(model, max_cache_len=220))
+        graphed = graphed_decode_logits(model, ids, prompt, models.quantized_cache(model, max_cache_len=220))
+        torch.testing.assert_close(graphed, eager, rtol=1e-2, atol=1e-2)
+        options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        tokens = {}
+        for name, extra in (("eager", {"disable_compile": True}), ("compiled", {}), ("again", {})):
+            cache = models.quantized_cache(model, max_cache_len=ids.shape[1] + 12)
+            tokens[name] = model.generate(ids, past_key_values=cache, **options, **extra)
+    assert torch.equal(tokens["compiled"], tokens["eager"]), f"{family}: compiled tokens over an FP8 cache differ"
+    assert torch.equal(tokens["again"], tokens["eager"]), f"{family}: a second compiled generation differs"

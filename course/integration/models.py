@@ -55,6 +55,7 @@ import torch
 try:
     import transformers
     from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.utils.import_utils import is_tracing
 except ImportError as error:  # the optional extra
@@ -63,6 +64,7 @@ except ImportError as error:  # the optional extra
 
 from course import testing
 from course.integration import ops
+from course.runtime import kv_cache
 
 NAME = "course"
 
@@ -131,7 +133,8 @@ def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         if real == kv_length and q_length > 1:
             return None
         return torch.full((batch_size,), min(real, kv_length), dtype=torch.int32, device=device)
-    return torch.clamp(real, max=kv_length).to(device=device, dtype=torch.int32).expand(batch_size).contiguous()
+    # (view(1) first: .contiguous() leaves a one-element expand with stride 0, which the kernels refuse)
+    return torch.clamp(real, max=kv_length).to(device=device, dtype=torch.int32).view(1).expand(batch_size).contiguous()
 # --8<-- [end:mask]
 
 
@@ -195,6 +198,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views, no copy
     features = dict(softmax_scale=scaling, sink_logits=None if s_aux is None else s_aux.float().contiguous(),
                     window_size_left=window_left(sliding_window))
+    if k.dtype in kv_cache.QUANTIZED_DTYPES:  # a quantized_cache: the decode kernel reads it, the rest dequantized
+        k_scale, v_scale = module.course_kv_scales
+        if q.shape[1] == 1 and not isinstance(attention_mask, PaddedBatch):
+            return decode(q[:, 0], k, v, attention_mask, k_scale=k_scale, v_scale=v_scale, **features).unsqueeze(1), None
+        k, v = kv_cache.dequantize(k, k_scale, q.dtype), kv_cache.dequantize(v, v_scale, q.dtype)
     if kwargs.get("cu_seq_lens_q") is not None:
         return packed(q, k, v, kwargs, **features), None
     if attention_mask is PACKED_ROWS:
@@ -365,9 +373,84 @@ def graph_safe_cache(model, max_cache_len: int):
     every layer's length is a GPU tensor, so ``visible_key_counts`` hands the decode kernel the right
     length at every replay.
     """
-    from transformers.cache_utils import Cache, StaticLayer
-
     return Cache(layers=[StaticLayer(max_cache_len=max_cache_len) for _ in range(model.config.num_hidden_layers)])
+
+
+# --8<-- [start:quantized_cache]
+CALIBRATION_HEADROOM = 2.0  # later tokens up to twice the prompt's largest magnitude (per head) are not clamped
+
+
+class QuantizedKV:
+    """A cache layer that stores K and V quantized (FP8 e4m3 or int8, one float32 scale per KV head) as
+    stage 9's decode kernel reads them; mixed into transformers' DynamicLayer or StaticLayer.
+
+    The layer's first update (the prompt) sets the scales: ``CALIBRATION_HEADROOM`` x each head's largest
+    magnitude lands on the format's largest value (serving engines calibrate offline, or, as here, from
+    the first forward). Every update quantizes its rows with ``kv_cache.quantize_rows``, the rounding of
+    the decode kernel's fused append; larger values clamp. The layer returns the quantized cache: the
+    course backend's decode step reads it as it is, with the scales the attention module holds
+    (``course_kv_scales``), and its prompt paths read it dequantized. With ``dequantized`` it returns the
+    values the cache stands for, in the model's dtype, so that any backend can attend to the same cache.
+    """
+
+    def __init__(self, dtype, k_scale, v_scale, dequantized=False, **kwargs):
+        super().__init__(**kwargs)
+        self.quantized_dtype, self.scales, self.dequantized = dtype, (k_scale, v_scale), dequantized
+        self.calibrated = False
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        rows = []
+        for scale, states in zip(self.scales, (key_states, value_states)):
+            if not self.calibrated:  # [B, H_kv, S, D] -> the [.., .., H_kv, D] of kv_cache
+                scale.copy_(kv_cache.head_scales(states.transpose(1, 2), self.quantized_dtype, CALIBRATION_HEADROOM))
+            quantized = kv_cache.quantize_rows(states, scale.view(1, -1, 1, 1), self.quantized_dtype)
+            rows.append(quantized.view(torch.uint8))  # stored as bytes: not every copy op takes float8
+        self.calibrated = True
+        keys, values = (t.view(self.quantized_dtype) for t in super().update(*rows, *args, **kwargs))
+        if self.dequantized:
+            return tuple(kv_cache.dequantize(t.transpose(1, 2), scale, key_states.dtype).transpose(1, 2)
+                         for t, scale in zip((keys, values), self.scales))
+        return keys, values
+
+    def reset(self):
+        super().reset()
+        self.calibrated = False
+
+
+def quantized_cache(model, dtype=torch.float8_e4m3fn, max_cache_len: int | None = None, dequantized=False):
+    """A KV cache for ``model`` that holds K and V as ``dtype`` (torch.float8_e4m3fn or torch.int8), half the
+    bytes of a 16-bit cache: ``model.generate(ids, past_key_values=models.quantized_cache(model))``.
+
+    Dynamic (grows with the tokens) or, with ``max_cache_len``, static and graph-safe as
+    ``graph_safe_cache``. Every layer, sliding-window ones included, keeps every token: the kernels apply
+    the windows. Each attention module of the model gets the cache's per-layer scales as
+    ``course_kv_scales`` (the backend reads them); a new cache replaces them.
+    """
+    if dtype not in kv_cache.QUANTIZED_DTYPES:
+        raise TypeError(f"quantized_cache holds torch.float8_e4m3fn or torch.int8; got dtype={dtype}")
+    attention = {m.layer_idx: m for m in model.modules() if type(m).__name__.endswith("Attention")
+                 and getattr(m, "layer_idx", None) is not None}
+    heads_kv = model.config.num_key_value_heads
+    layers = []
+    for index in range(model.config.num_hidden_layers):
+        scales = tuple(torch.ones(heads_kv, dtype=torch.float32, device=model.device) for _ in range(2))
+        attention[index].course_kv_scales = scales
+        if max_cache_len:
+            for scale in scales:  # a CUDA graph reads them in place, like the cache
+                torch._dynamo.mark_static_address(scale)
+            layers.append(QuantizedStaticLayer(dtype, *scales, dequantized=dequantized, max_cache_len=max_cache_len))
+        else:
+            layers.append(QuantizedDynamicLayer(dtype, *scales, dequantized=dequantized))
+    return Cache(layers=layers)
+
+
+class QuantizedDynamicLayer(QuantizedKV, DynamicLayer):
+    """transformers' DynamicLayer, quantized."""
+
+
+class QuantizedStaticLayer(QuantizedKV, StaticLayer):
+    """transformers' StaticLayer, quantized."""
+# --8<-- [end:quantized_cache]
 
 
 def logit_errors(logits, baseline, reference) -> testing.ErrorReport:

@@ -47,10 +47,16 @@ def quantize_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch
 
 
 def _quantize(cache: torch.Tensor, dtype: torch.dtype):
-    magnitude = cache.detach().float().abs()
-    amax = torch.where(magnitude.isfinite(), magnitude, 0.0).amax(dim=(0, 1, 3))  # [H_kv]; unused slots may be NaN
-    scale = torch.where(amax > 0, amax / QUANTIZED_DTYPES[dtype], torch.ones_like(amax))
+    scale = head_scales(cache, dtype)
     return quantize_rows(cache, scale.view(1, 1, -1, 1), dtype), scale
+
+
+def head_scales(cache: torch.Tensor, dtype: torch.dtype, headroom: float = 1.0) -> torch.Tensor:
+    """float32 [H_kv]: per KV head of ``cache`` [.., .., H_kv, D], the scale that puts ``headroom`` x the head's
+    largest finite magnitude on ``dtype``'s largest value (1 for a head of zeros)."""
+    magnitude = cache.detach().float().abs()
+    amax = torch.where(magnitude.isfinite(), magnitude, 0.0).amax(dim=(0, 1, 3))  # unused slots may be NaN
+    return torch.where(amax > 0, amax * headroom / QUANTIZED_DTYPES[dtype], torch.ones_like(amax))
 
 
 def quantize_rows(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
