@@ -912,3 +912,31 @@ def test_stalls_cut_the_busiest_loop_at_its_waits(tmp_path):
     text = (tmp_path / stalls.MD).read_text()
     assert "| wait_group 0 | waiting for `P V` | 13.3% | 0 | barrier 100% |" in text, text
     assert "| after wait_group 0 | the rest of the softmax, P and O written | 36.7% | 1 | wait 55%, selected 36%" in text
+
+
+def test_decode_variants_plans_are_ones_the_kernel_takes(monkeypatch, tmp_path):
+    """Every section of `decode_variants`, run on the CPU with a stand-in for the timing (132 SMs): each forced
+    plan passes stage 9's own `check_plan`, each row names the rules' choice among its variants, and the tables
+    render from the results."""
+    from course.runtime import stages
+    from course.tools import decode_variants
+
+    stage = stages.get(9).load("solutions")
+
+    def fake_times(stage, shape, variants, fp8=False):
+        for options in variants.values():
+            stage.check_plan(options.get("plan"), shape[2] // shape[3], decode_variants.HEAD_DIM)
+        return {decode_variants.CUDNN: 1.0, **{name: 2.0 for name in variants}}
+
+    monkeypatch.setattr(decode_variants, "num_sms", lambda: 132)
+    monkeypatch.setattr(decode_variants, "time_variants", fake_times)
+    results = {"environment": {"gpu": "stand-in"},
+               **{name: section(stage) for name, section in decode_variants.SECTIONS.items()}}
+    for name, rows in results.items():
+        for row in rows if name != "environment" else ():
+            rules = row["rule"] if isinstance(row["rule"], list) else [row["rule"]]
+            assert all(rule in row["times"] for rule in rules if rule is not None), (name, row)
+    decode_variants.write_tables(results, tmp_path)
+    warps = (tmp_path / decode_variants.file_name("warps")).read_text()
+    assert "| 4 warps | 8 warps | 8 warps, half the splits | 8 warps, twice the splits |" in warps
+    assert "**2.0**" in (tmp_path / decode_variants.file_name("tiles and warps")).read_text()

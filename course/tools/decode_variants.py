@@ -12,6 +12,8 @@ cache of B full sequences. The plan the rules choose (``choose_plan``) is marked
 - Keys per split for short sequences: 512, 256 or 128 keys per split on 8 warps, one row tile.
 - Row tiles: one tile per CTA or ``row_tiles(G, D)``, each with its automatic warps and splits, on the
   16-bit cache and on an FP8 copy of it.
+- Warps: 4 or 8 warps per CTA, and 8 warps with half and twice their automatic split count.
+- Tiles and warps: row tiles or one tile, each on 4 or 8 warps.
 
 Never edit the outputs by hand.
 """
@@ -39,16 +41,25 @@ ROW_TILE_SHAPES = [(1, 32768, 64, 1), (1, 131072, 64, 1), (8, 4096, 64, 1), (8, 
                    (4, 131072, 64, 1), (16, 32768, 64, 1), (8, 131072, 64, 1), (64, 4096, 64, 1),
                    (64, 32768, 64, 1), (64, 131072, 64, 1), (8, 32768, 64, 2), (8, 131072, 32, 1),
                    (64, 32768, 48, 2)]
+WARP_SHAPES = [(1, 4096, 8, 1), (1, 32768, 8, 1), (1, 131072, 8, 1), (1, 4096, 32, 2), (1, 32768, 32, 2),
+               (1, 131072, 32, 2), (1, 4096, 64, 1), (1, 32768, 64, 1), (1, 131072, 64, 1), (8, 32768, 64, 1),
+               (1, 4096, 32, 8), (1, 4096, 32, 32), (64, 4096, 32, 2), (64, 4096, 64, 1)]
+TILE_WARP_SHAPES = [(8, 65536, 64, 1), (8, 131072, 64, 1), (4, 131072, 64, 1), (16, 32768, 64, 1),
+                    (64, 32768, 64, 1), (64, 131072, 64, 1), (64, 4096, 64, 1), (8, 32768, 128, 2),
+                    (8, 32768, 64, 2), (8, 131072, 32, 1), (64, 32768, 48, 2)]
 CUDNN = "cuDNN"
+
+
+def num_sms() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def plan_args(shape: tuple, cache_dtype: str = "float16") -> tuple:
     """``choose_plan``'s arguments for (B, L, H_q, H_kv) on this GPU."""
-    import torch
-
     batch, length, heads_q, heads_kv = shape
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return batch, heads_kv, heads_q // heads_kv, length, num_sms, HEAD_DIM, cache_dtype
+    return batch, heads_kv, heads_q // heads_kv, length, num_sms(), HEAD_DIM, cache_dtype
 
 
 def time_variants(stage, shape: tuple, variants: dict, fp8: bool = False) -> dict:
@@ -107,11 +118,46 @@ def bench_row_tiles(stage) -> list[dict]:
     return rows
 
 
+def bench_warps(stage) -> list[dict]:
+    """4 or 8 warps per CTA (the rules' row tiles), and 8 warps with half and twice their split count."""
+    rows = []
+    for shape in WARP_SHAPES:
+        args = plan_args(shape)
+        tiles = stage.pick_row_tiles(*args)
+        splits = stage.auto_num_splits(*args, tiles, 8)
+        plans = {"4 warps": stage.DecodePlan(tiles, 4), "8 warps": stage.DecodePlan(tiles, 8),
+                 "8 warps, half the splits": stage.DecodePlan(tiles, 8, max(1, splits // 2)),
+                 "8 warps, twice the splits": stage.DecodePlan(tiles, 8, 2 * splits)}
+        times = time_variants(stage, shape, {name: {"plan": plan} for name, plan in plans.items()})
+        rows.append({"shape": shape, "times": times, "rule": f"{stage.pick_warps(*args, tiles)} warps"})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def bench_tiles_and_warps(stage) -> list[dict]:
+    """Row tiles (``row_tiles(G, D)``) or one tile, each on 4 or 8 warps, with the automatic split count."""
+    rows = []
+    for shape in TILE_WARP_SHAPES:
+        args = plan_args(shape)
+        tiles = stage.row_tiles(args[2], HEAD_DIM)
+        plans = {"tiles, 4 warps": stage.DecodePlan(tiles, 4), "tiles, 8 warps": stage.DecodePlan(tiles, 8),
+                 "1 tile, 8 warps": stage.DecodePlan(1, 8), "1 tile, 4 warps": stage.DecodePlan(1, 4)}
+        chosen = stage.choose_plan(*args)
+        rule = next(name for name, plan in plans.items()
+                    if (plan.row_tiles, plan.warps) == (chosen.row_tiles, chosen.warps))
+        times = time_variants(stage, shape, {name: {"plan": plan} for name, plan in plans.items()})
+        rows.append({"shape": shape, "times": times, "rule": rule})
+        print(rows[-1], flush=True)
+    return rows
+
+
 # Each section's variant columns; the split counts' rule gets one column of its own, whatever count it picked.
 COLUMNS = {"split counts": [f"{n}" for n in SPLIT_COUNTS] + ["rule"], "keys per split": [f"{k}" for k in KEYS_PER_SPLIT],
-           "row tiles": ["1 tile", "row tiles", "fp8 1 tile", "fp8 row tiles"]}
+           "row tiles": ["1 tile", "row tiles", "fp8 1 tile", "fp8 row tiles"],
+           "warps": ["4 warps", "8 warps", "8 warps, half the splits", "8 warps, twice the splits"],
+           "tiles and warps": ["tiles, 4 warps", "tiles, 8 warps", "1 tile, 8 warps", "1 tile, 4 warps"]}
 SECTIONS = {"split counts": bench_split_counts, "keys per split": bench_keys_per_split,
-            "row tiles": bench_row_tiles}
+            "row tiles": bench_row_tiles, "warps": bench_warps, "tiles and warps": bench_tiles_and_warps}
 
 
 def _cell(row: dict, name: str) -> str:
@@ -128,7 +174,8 @@ def render_section(results: dict, section: str) -> str:
     names = COLUMNS[section]
     header = {"split counts": lambda n: n if n == "rule" else f"{n} splits",
               "keys per split": lambda n: f"{n} keys per split",
-              "row tiles": lambda n: n.replace("fp8 ", "") + (", FP8" if n.startswith("fp8 ") else "")}[section]
+              "row tiles": lambda n: n.replace("fp8 ", "") + (", FP8" if n.startswith("fp8 ") else "")
+              }.get(section, lambda n: n)
     env = results.get("environment", {})
     lines = ["<!-- generated by python -m course.tools.decode_variants; do not edit -->",
              f"GPU: {env.get('gpu', '?')}; microseconds per call in CUDA graphs of {bench.GRAPH_CALLS} calls, "
