@@ -69,6 +69,23 @@ def time_in_rounds(fns: dict, *, warmup: int = 10, repeats: int = 50) -> dict:
 # --8<-- [end:time_in_rounds]
 
 
+def run_sections(results_json: Path, sections: dict, only: str | None = None) -> dict:
+    """Time every section ({name: a function of no arguments that returns the section's rows}) into
+    ``results_json`` with this machine's environment, or only the section named ``only``: its rows replace
+    that section's, and the others keep theirs (and the environment they were measured in)."""
+    results = json.loads(results_json.read_text()) if only else {"environment": environment()}
+    for name, section in sections.items():
+        if only in (None, name):
+            results[name] = section()
+    results_json.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def section_choices(sections) -> dict:
+    """{the first word of each section's name: the name}: what ``--only`` takes on the command line."""
+    return {name.split()[0]: name for name in sections}
+
+
 def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
     """Median milliseconds of ``fn()`` measured with CUDA events (``time_in_rounds`` of one function)."""
     return time_in_rounds({"fn": fn}, warmup=warmup, repeats=repeats)["fn"]

@@ -2,6 +2,7 @@
 
     python -m course.tools.decode_variants --out docs/results   # Hopper GPU: decode-variants.json and .md
     python -m course.tools.decode_variants --render             # decode-variants.json -> the tables, on any machine
+    python -m course.tools.decode_variants --only warps --out docs/results   # one section again, the rest kept
 
 Each variant is stage 9's ``decode_attention`` with its launch plan forced (``plan=DecodePlan(...)`` or
 ``num_splits=n``), captured in a CUDA graph of 10 calls (``bench.capture_graph``) and timed next to SDPA's
@@ -206,13 +207,14 @@ def write_tables(results: dict, out_dir: Path) -> None:
         (out_dir / file_name(section)).write_text(render_section(results, section))
 
 
-def run(out_dir: Path = DEFAULT_OUT) -> dict:
+def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
+    """Every section, or (``only``) one section timed again into the existing decode-variants.json."""
     from course.runtime import stages
 
-    stage = stages.get(9).load("solutions")
-    results = {"environment": bench.environment(), **{name: section(stage) for name, section in SECTIONS.items()}}
     out_dir = Path(out_dir)
-    (out_dir / "decode-variants.json").write_text(json.dumps(results, indent=1) + "\n")
+    sections = {name: lambda section=section: section(stages.get(9).load("solutions"))
+                for name, section in SECTIONS.items()}
+    results = bench.run_sections(out_dir / "decode-variants.json", sections, only)
     write_tables(results, out_dir)
     return results
 
@@ -221,11 +223,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--render", action="store_true", help="decode-variants.json -> the tables (no GPU)")
+    parser.add_argument("--only", choices=bench.section_choices(SECTIONS),
+                        help="time one section again; the others keep their decode-variants.json entries")
     args = parser.parse_args(argv)
     if args.render:
         write_tables(json.loads((args.out / "decode-variants.json").read_text()), args.out)
     else:
-        run(args.out)
+        run(args.out, bench.section_choices(SECTIONS).get(args.only))
 
 
 if __name__ == "__main__":

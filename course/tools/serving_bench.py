@@ -240,11 +240,9 @@ def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
     from course.runtime import stages
 
     out_dir = Path(out_dir)
-    results = json.loads((out_dir / "serving.json").read_text()) if only else {"environment": bench.environment()}
-    for name, (stage, section) in SECTIONS.items():
-        if only in (None, name):
-            results[name] = section(stages.get(stage).load("solutions"))
-    (out_dir / "serving.json").write_text(json.dumps(results, indent=1) + "\n")
+    sections = {name: lambda stage=stage, section=section: section(stages.get(stage).load("solutions"))
+                for name, (stage, section) in SECTIONS.items()}
+    results = bench.run_sections(out_dir / "serving.json", sections, only)
     write_tables(results, out_dir)
     return results
 
@@ -253,13 +251,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--render", action="store_true", help="serving.json -> the tables (no GPU)")
-    parser.add_argument("--only", choices=[name.split()[0] for name in SECTIONS],
+    parser.add_argument("--only", choices=bench.section_choices(SECTIONS),
                         help="time one section again; the others keep their serving.json entries")
     args = parser.parse_args(argv)
     if args.render:
         write_tables(json.loads((args.out / "serving.json").read_text()), args.out)
     else:
-        run(args.out, next((name for name in SECTIONS if name.split()[0] == args.only), None))
+        run(args.out, bench.section_choices(SECTIONS).get(args.only))
 
 
 if __name__ == "__main__":
