@@ -241,15 +241,16 @@ def test_quantized_cache_layer_stores_what_the_kernel_reads(cache_dtype):
     values clamped; a reset calibrates again."""
     from course.runtime import kv_cache
 
+    model = models.in_dtype(models.random_model(cpu_config("llama")), torch.bfloat16, "course")
+    heads = model.config.num_key_value_heads
     gen = torch.Generator().manual_seed(0)
-    prompt = [torch.randn(2, 3, 10, 8, generator=gen).to(torch.bfloat16) * torch.tensor([1.0, 4.0, 0.25])[:, None, None]
-              for _ in range(2)]
-    step = [torch.randn(2, 3, 1, 8, generator=gen).to(torch.bfloat16) * 50 for _ in range(2)]
-    scales = [torch.zeros(3), torch.zeros(3)]
-    for layer in (models.QuantizedDynamicLayer(cache_dtype, *scales), models.QuantizedStaticLayer(cache_dtype, *scales,
-                                                                                                   max_cache_len=16)):
+    spread = torch.linspace(0.25, 4.0, heads)[:, None, None]
+    prompt = [(torch.randn(2, heads, 10, 8, generator=gen) * spread).to(torch.bfloat16) for _ in range(2)]
+    step = [torch.randn(2, heads, 1, 8, generator=gen).to(torch.bfloat16) * 50 for _ in range(2)]
+    for cache in (models.quantized_cache(model, cache_dtype), models.quantized_cache(model, cache_dtype, 16)):
+        layer = cache.layers[0]
         layer.update(*prompt)
-        for scale, states in zip(scales, prompt):
+        for scale, states in zip(layer.scales, prompt):
             amax = states.float().abs().amax(dim=(0, 2, 3))
             torch.testing.assert_close(scale, amax * models.CALIBRATION_HEADROOM / kv_cache.QUANTIZED_DTYPES[cache_dtype],
                                        rtol=0, atol=0)
@@ -257,18 +258,60 @@ def test_quantized_cache_layer_stores_what_the_kernel_reads(cache_dtype):
         assert keys.dtype == values.dtype == cache_dtype
         for stored, index in ((keys, 0), (values, 1)):
             rows = torch.cat([prompt[index], step[index]], dim=2)
-            expected = kv_cache.quantize_rows(rows, scales[index].view(1, -1, 1, 1), cache_dtype)
+            expected = kv_cache.quantize_rows(rows, layer.scales[index].view(1, -1, 1, 1), cache_dtype)
             assert torch.equal(stored[:, :, :11].view(torch.uint8), expected.view(torch.uint8)), type(layer).__name__
             assert stored[:, :, 10].float().abs().max() == kv_cache.QUANTIZED_DTYPES[cache_dtype], "the step's rows clamp"
-        before = scales[0].clone()
+        before = layer.scales[0].clone()
         layer.reset()
         layer.update(step[0], step[1])
-        assert not torch.equal(scales[0], before), f"{type(layer).__name__}: a reset cache kept the old scales"
+        assert not torch.equal(layer.scales[0], before), f"{type(layer).__name__}: a reset cache kept the old scales"
 
 
 def test_quantized_cache_takes_fp8_and_int8_only():
     with pytest.raises(TypeError, match="float8_e4m3fn or torch.int8"):
         models.quantized_cache(models.random_model(cpu_config("llama")), torch.float16)
+
+
+def test_quantized_cache_traces_in_one_graph(backed_by):
+    """Dynamo traces a decode step over a static quantized cache without a graph break (the layer's checks
+    and the backend's scales are Python it resolves while tracing), with the eager steps' logits."""
+    backed_by(impl="reference")
+    config = cpu_config("llama")
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    ids = token_ids(config, 2, 24, "cpu")
+    with torch.no_grad():
+        eager = models.incremental_logits(model, ids, 16, models.quantized_cache(model, max_cache_len=32))
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        cache = models.quantized_cache(model, max_cache_len=32)
+        logits = [model(ids[:, :16], past_key_values=cache, use_cache=True).logits[:, -1]]  # the prompt eagerly
+        logits += [compiled(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1] for i in range(16, 24)]
+    assert torch.equal(torch.stack(logits, dim=1), eager)
+
+
+def test_quantized_caches_take_turns_and_belong_to_their_model(backed_by):
+    """Two caches of one model, made before either runs, give each its own logits (the attention modules
+    point at the cache that ran last); a cache of another model object, or read by an attention
+    implementation that cannot take FP8 without ``dequantized``, raises saying what to do."""
+    backed_by(impl="reference")
+    config = cpu_config("llama")
+    reference = build(config, "cpu")
+    model = models.in_dtype(reference, torch.bfloat16, "course")
+    ids = token_ids(config, 2, 24, "cpu")
+    with torch.no_grad():
+        alone = [models.incremental_logits(model, ids, 16, models.quantized_cache(model, dtype)) for dtype in QUANTIZED.values()]
+        caches = [models.quantized_cache(model, dtype) for dtype in QUANTIZED.values()]
+        turns = [[], []]
+        for start, end in [(0, 16)] + [(i, i + 1) for i in range(16, 24)]:  # the prompt, then steps, in turns
+            for cache, logits in zip(caches, turns):
+                logits.append(model(ids[:, start:end], past_key_values=cache, use_cache=True).logits[:, -1])
+        for first, second in zip(alone, turns):
+            assert torch.equal(first, torch.stack(second, dim=1)), "two quantized caches taking turns gave other logits"
+        with pytest.raises(ValueError, match="made for another model object"):
+            models.incremental_logits(model, ids, 16, models.quantized_cache(models.in_dtype(reference, torch.bfloat16,
+                                                                                         "course")))
+        eager = models.in_dtype(reference, torch.bfloat16, "eager")
+        with pytest.raises(ValueError, match="cannot read a quantized KV cache.*dequantized=True"):
+            models.incremental_logits(eager, ids, 16, models.quantized_cache(eager))
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "llama"])
@@ -338,6 +381,31 @@ def test_right_padded_prompt_on_the_reference(backed_by):
         logits = models.in_dtype(reference, torch.bfloat16, "course")(ids, attention_mask=mask).logits
     real = mask.bool()
     assert_within_yardstick(logits[real], baseline[real], expected[real], "llama, right-padded prompt")
+
+
+PADDED_GENERATE_CACHES = {  # (a static cache, the dynamic cache with the same values)
+    **{name: (make, lambda model: None) for name, make in STATIC_CACHES.items()},
+    "quantized": (lambda model: models.quantized_cache(model, max_cache_len=64), models.quantized_cache),
+}
+
+
+@pytest.mark.parametrize("caches", PADDED_GENERATE_CACHES.values(), ids=PADDED_GENERATE_CACHES.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_generate_a_left_padded_batch_over_a_static_cache(backed_by, family, caches):
+    """``generate`` with a compileable (static) cache makes the masks before the forward (``.contiguous()`` on
+    each, a padded batch's too) and hands them to the model: eagerly, it generates the tokens of the same
+    values in a dynamic cache."""
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    ids = token_ids(config, 2, 30, "cpu")
+    options = dict(attention_mask=padded_mask(ids, (0, 7)), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                   pad_token_id=0)
+    make_static, make_dynamic = caches
+    with torch.no_grad():
+        dynamic = model.generate(ids, past_key_values=make_dynamic(model), **options)
+        static = model.generate(ids, past_key_values=make_static(model), **options)
+    assert torch.equal(static, dynamic), f"{family}: generate over a static cache chose other tokens for a padded batch"
 
 
 def test_padded_batch_raises_under_torch_compile(small_gpt_oss):

@@ -86,6 +86,13 @@ class PaddedBatch:
     first_query: int
     _packings: dict = field(default_factory=dict, compare=False, repr=False)
 
+    # ``generate`` with a static cache makes the masks before the forward (``.contiguous()`` on each) and hands
+    # them to the model, whose mask creation passes a made mask on as it does transformers' 4-D ones.
+    ndim = 4
+
+    def contiguous(self) -> PaddedBatch:
+        return self
+
     def packing(self, q_length: int) -> Packing:
         """Where the real queries and keys of every layer of this forward are: made once (one host read of
         their counts), then every layer packs and scatters with index copies that wait for nothing."""
@@ -124,6 +131,8 @@ def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     GPU, so a CUDA graph of a decode step replays with the right lengths). A
     decode step always gets the counts, made here once for every layer.
     """
+    if isinstance(attention_mask, PaddedBatch):  # made ahead by generate for this forward
+        return attention_mask
     if packed_rows(q_length, allow_is_causal_skip, use_vmap):
         return PACKED_ROWS
     if has_padding(attention_mask):
@@ -199,7 +208,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     features = dict(softmax_scale=scaling, sink_logits=None if s_aux is None else s_aux.float().contiguous(),
                     window_size_left=window_left(sliding_window))
     if k.dtype in kv_cache.QUANTIZED_DTYPES:  # a quantized_cache: the decode kernel reads it, the rest dequantized
-        k_scale, v_scale = module.course_kv_scales
+        k_scale, v_scale = quantized_scales(module, key)
         if q.shape[1] == 1 and not isinstance(attention_mask, PaddedBatch):
             return decode(q[:, 0], k, v, attention_mask, k_scale=k_scale, v_scale=v_scale, **features).unsqueeze(1), None
         k, v = kv_cache.dequantize(k, k_scale, q.dtype), kv_cache.dequantize(v, v_scale, q.dtype)
@@ -384,27 +393,41 @@ class QuantizedKV:
     """A cache layer that stores K and V quantized (FP8 e4m3 or int8, one float32 scale per KV head) as
     stage 9's decode kernel reads them; mixed into transformers' DynamicLayer or StaticLayer.
 
-    The layer's first update (the prompt) sets the scales: ``CALIBRATION_HEADROOM`` x each head's largest
-    magnitude lands on the format's largest value (serving engines calibrate offline, or, as here, from
-    the first forward). Every update quantizes its rows with ``kv_cache.quantize_rows``, the rounding of
-    the decode kernel's fused append; larger values clamp. The layer returns the quantized cache: the
-    course backend's decode step reads it as it is, with the scales the attention module holds
-    (``course_kv_scales``), and its prompt paths read it dequantized. With ``dequantized`` it returns the
-    values the cache stands for, in the model's dtype, so that any backend can attend to the same cache.
+    The layer's first update (the prompt) sets the scales (``scales``: k_scale, v_scale [H_kv]):
+    ``CALIBRATION_HEADROOM`` x each head's largest magnitude over the batch, padding included, lands on the
+    format's largest value (serving engines calibrate offline, or, as here, from the first forward).
+    Every update quantizes its rows with ``kv_cache.quantize_rows``, the rounding of the decode kernel's
+    fused append; larger values clamp. ``reset()`` empties the cache and calibrates again on the next
+    prompt. ``keys`` and ``values`` hold the bytes (uint8: not every copy op takes float8);
+    ``keys.view(quantized_dtype)`` reads them.
+
+    The layer returns the quantized cache: the course backend's decode step reads it as it is, with the
+    scales of the layer its attention module points at (``course_kv_cache``, set by each update), and its
+    prompt paths read it dequantized. With ``dequantized`` it returns the values the cache stands for, in
+    the model's dtype, so that any attention implementation can run on the same cache.
     """
 
-    def __init__(self, dtype, k_scale, v_scale, dequantized=False, **kwargs):
+    def __init__(self, dtype, module, dequantized=False, **kwargs):
         super().__init__(**kwargs)
-        self.quantized_dtype, self.scales, self.dequantized = dtype, (k_scale, v_scale), dequantized
+        self.quantized_dtype, self.module, self.dequantized = dtype, module, dequantized
+        heads, device = module.config.num_key_value_heads, next(module.parameters()).device
+        self.scales = tuple(torch.ones(heads, dtype=torch.float32, device=device) for _ in range(2))
         self.calibrated = False
 
     def update(self, key_states, value_states, *args, **kwargs):
+        implementation = self.module.config._attn_implementation
+        if not self.dequantized and implementation != NAME:
+            raise ValueError(f"attn_implementation {implementation!r} cannot read a quantized KV cache: use "
+                             f"model.set_attn_implementation({NAME!r}), or quantized_cache(..., dequantized=True), "
+                             "which hands any implementation the values the cache stands for")
+        if getattr(self.module, "course_kv_cache", None) is not self:  # another cache of this model ran last
+            self.module.course_kv_cache = self
         rows = []
         for scale, states in zip(self.scales, (key_states, value_states)):
             if not self.calibrated:  # [B, H_kv, S, D] -> the [.., .., H_kv, D] of kv_cache
                 scale.copy_(kv_cache.head_scales(states.transpose(1, 2), self.quantized_dtype, CALIBRATION_HEADROOM))
             quantized = kv_cache.quantize_rows(states, scale.view(1, -1, 1, 1), self.quantized_dtype)
-            rows.append(quantized.view(torch.uint8))  # stored as bytes: not every copy op takes float8
+            rows.append(quantized.view(torch.uint8))
         self.calibrated = True
         keys, values = (t.view(self.quantized_dtype) for t in super().update(*rows, *args, **kwargs))
         if self.dequantized:
@@ -417,30 +440,40 @@ class QuantizedKV:
         self.calibrated = False
 
 
+def quantized_scales(module, key):
+    """(k_scale, v_scale) of the quantized cache whose keys ``key`` reach ``module``'s attention; in eager
+    mode checked to be that cache's (its bytes are the ones being read)."""
+    layer = getattr(module, "course_kv_cache", None)
+    if layer is None or (not torch.compiler.is_compiling()
+                         and layer.keys.untyped_storage().data_ptr() != key.untyped_storage().data_ptr()):
+        raise ValueError(f"{key.dtype} keys reached the course backend from a quantized cache made for another "
+                         "model object: make it with models.quantized_cache(model) on the model that runs it "
+                         "(models.in_dtype returns a copy: make the cache after it)")
+    return layer.scales
+
+
 def quantized_cache(model, dtype=torch.float8_e4m3fn, max_cache_len: int | None = None, dequantized=False):
     """A KV cache for ``model`` that holds K and V as ``dtype`` (torch.float8_e4m3fn or torch.int8), half the
     bytes of a 16-bit cache: ``model.generate(ids, past_key_values=models.quantized_cache(model))``.
 
     Dynamic (grows with the tokens) or, with ``max_cache_len``, static and graph-safe as
     ``graph_safe_cache``. Every layer, sliding-window ones included, keeps every token: the kernels apply
-    the windows. Each attention module of the model gets the cache's per-layer scales as
-    ``course_kv_scales`` (the backend reads them); a new cache replaces them.
+    the windows. The cache belongs to ``model`` (the object: a copy needs a cache of its own); several
+    caches of one model may take turns.
     """
     if dtype not in kv_cache.QUANTIZED_DTYPES:
         raise TypeError(f"quantized_cache holds torch.float8_e4m3fn or torch.int8; got dtype={dtype}")
     attention = {m.layer_idx: m for m in model.modules() if type(m).__name__.endswith("Attention")
                  and getattr(m, "layer_idx", None) is not None}
-    heads_kv = model.config.num_key_value_heads
     layers = []
     for index in range(model.config.num_hidden_layers):
-        scales = tuple(torch.ones(heads_kv, dtype=torch.float32, device=model.device) for _ in range(2))
-        attention[index].course_kv_scales = scales
         if max_cache_len:
-            for scale in scales:  # a CUDA graph reads them in place, like the cache
+            layer = QuantizedStaticLayer(dtype, attention[index], dequantized=dequantized, max_cache_len=max_cache_len)
+            for scale in layer.scales:  # a CUDA graph reads them in place, like the cache
                 torch._dynamo.mark_static_address(scale)
-            layers.append(QuantizedStaticLayer(dtype, *scales, dequantized=dequantized, max_cache_len=max_cache_len))
         else:
-            layers.append(QuantizedDynamicLayer(dtype, *scales, dequantized=dequantized))
+            layer = QuantizedDynamicLayer(dtype, attention[index], dequantized=dequantized)
+        layers.append(layer)
     return Cache(layers=layers)
 
 
