@@ -48,6 +48,7 @@ without reading the positions, and are not detected there.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -387,6 +388,9 @@ def graph_safe_cache(model, max_cache_len: int):
 
 # --8<-- [start:quantized_cache]
 CALIBRATION_HEADROOM = 2.0  # later tokens up to twice the prompt's largest magnitude (per head) are not clamped
+# {attention module: the quantized cache layer that updated last}: the scales the backend reads. Kept off the
+# module itself, so that copying a model (in_dtype, fine-tuning) does not copy its cache.
+QUANTIZED_CACHE_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class QuantizedKV:
@@ -402,7 +406,7 @@ class QuantizedKV:
     ``keys.view(quantized_dtype)`` reads them.
 
     The layer returns the quantized cache: the course backend's decode step reads it as it is, with the
-    scales of the layer its attention module points at (``course_kv_cache``, set by each update), and its
+    scales of the layer that updated last for its attention module (``QUANTIZED_CACHE_OF``), and its
     prompt paths read it dequantized. With ``dequantized`` it returns the values the cache stands for, in
     the model's dtype, so that any attention implementation can run on the same cache.
     """
@@ -420,8 +424,8 @@ class QuantizedKV:
             raise ValueError(f"attn_implementation {implementation!r} cannot read a quantized KV cache: use "
                              f"model.set_attn_implementation({NAME!r}), or quantized_cache(..., dequantized=True), "
                              "which hands any implementation the values the cache stands for")
-        if getattr(self.module, "course_kv_cache", None) is not self:  # another cache of this model ran last
-            self.module.course_kv_cache = self
+        if QUANTIZED_CACHE_OF.get(self.module) is not self:  # another cache of this model ran last
+            QUANTIZED_CACHE_OF[self.module] = self
         rows = []
         for scale, states in zip(self.scales, (key_states, value_states)):
             if not self.calibrated:  # [B, H_kv, S, D] -> the [.., .., H_kv, D] of kv_cache
@@ -443,7 +447,7 @@ class QuantizedKV:
 def quantized_scales(module, key):
     """(k_scale, v_scale) of the quantized cache whose keys ``key`` reach ``module``'s attention; in eager
     mode checked to be that cache's (its bytes are the ones being read)."""
-    layer = getattr(module, "course_kv_cache", None)
+    layer = QUANTIZED_CACHE_OF.get(module)
     if layer is None or (not torch.compiler.is_compiling()
                          and layer.keys.untyped_storage().data_ptr() != key.untyped_storage().data_ptr()):
         raise ValueError(f"{key.dtype} keys reached the course backend from a quantized cache made for another "
