@@ -80,8 +80,8 @@ class Tiles:
 
 
 # By head dims (D_qk, D_v). Shared memory decides tile_n: Q, the K and V rings and the O buffers must fit
-# (shared_bytes), so the wider the rows, the fewer keys per tile. Two warpgroups everywhere: at D = 64 a
-# third (FA3's 192-row tiles) would leave 128 registers per thread, and this kernel then spills.
+# (shared_bytes), so the wider the rows, the fewer keys per tile. Two warpgroups everywhere: a third (FA3's
+# 192-row tiles) fits its 160 registers only with 80-key tiles ("Where stage 8 still trails" on the page).
 TILES = {
     (64, 64): Tiles(2, 128),
     (80, 80): Tiles(2, 128),
