@@ -69,23 +69,6 @@ def time_in_rounds(fns: dict, *, warmup: int = 10, repeats: int = 50) -> dict:
 # --8<-- [end:time_in_rounds]
 
 
-def run_sections(results_json: Path, sections: dict, only: str | None = None) -> dict:
-    """Time every section ({name: a function of no arguments that returns the section's rows}) into
-    ``results_json`` with this machine's environment, or only the section named ``only``: its rows replace
-    that section's, and the others keep theirs (and the environment they were measured in)."""
-    results = json.loads(results_json.read_text()) if only else {"environment": environment()}
-    for name, section in sections.items():
-        if only in (None, name):
-            results[name] = section()
-    results_json.write_text(json.dumps(results, indent=1) + "\n")
-    return results
-
-
-def section_choices(sections) -> dict:
-    """{the first word of each section's name: the name}: what ``--only`` takes on the command line."""
-    return {name.split()[0]: name for name in sections}
-
-
 def time_cuda(fn, *, warmup: int = 10, repeats: int = 50) -> float:
     """Median milliseconds of ``fn()`` measured with CUDA events (``time_in_rounds`` of one function)."""
     return time_in_rounds({"fn": fn}, warmup=warmup, repeats=repeats)["fn"]
@@ -250,6 +233,52 @@ def environment() -> dict:
     except (OSError, subprocess.CalledProcessError):
         env["driver"] = "unknown"
     return env
+
+
+# ---------------------------------------------------------------- a tool's results file and its tables
+
+def save_results(out_dir: Path, json_name: str, results: dict) -> None:
+    """``results`` as ``out_dir / json_name`` (the folder made if needed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / json_name).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def render_results(out_dir: Path, json_name: str, md_name: str, table) -> str:
+    """``out_dir / md_name`` = ``table(results)`` of the results saved in ``out_dir / json_name``; the Markdown."""
+    text = table(json.loads((Path(out_dir) / json_name).read_text()))
+    (Path(out_dir) / md_name).write_text(text)
+    return text
+
+
+def run_sections(out_dir: Path, json_name: str, sections: dict, only: str | None = None) -> dict:
+    """Time every section ({name: a function of no arguments that returns the section's rows}) into
+    ``out_dir / json_name`` with this machine's environment, or only the section named ``only``: its rows
+    replace that section's, and the others keep theirs (and the environment they were measured in)."""
+    results = json.loads((out_dir / json_name).read_text()) if only else {"environment": environment()}
+    for name, section in sections.items():
+        if only in (None, name):
+            results[name] = section()
+    save_results(out_dir, json_name, results)
+    return results
+
+
+def sections_command(argv, description: str, json_name: str, sections: dict, run, write_tables) -> None:
+    """The command line of a tool that times named sections into one results file (``run(out_dir, only)``)
+    and writes its tables from it (``write_tables(results, out_dir)``): --out, --render (the tables from
+    the saved results, no GPU) and --only (the first word of a section's name: time it again)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--render", action="store_true", help=f"{json_name} -> the tables (no GPU)")
+    choices = {name.split()[0]: name for name in sections}
+    parser.add_argument("--only", choices=choices,
+                        help=f"time one section again; the others keep their {json_name} entries")
+    args = parser.parse_args(argv)
+    if args.render:
+        write_tables(json.loads((args.out / json_name).read_text()), args.out)
+    else:
+        run(args.out, choices.get(args.only))
 
 
 def fa4():

@@ -21,8 +21,6 @@ Never edit the outputs by hand.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from functools import partial
 from pathlib import Path
@@ -81,75 +79,61 @@ def time_variants(stage, shape: tuple, variants: dict, fp8: bool = False) -> dic
     return {name: ms * 1000 for name, ms in bench.time_graphs(graphs).items()}
 
 
-def bench_split_counts(stage) -> list[dict]:
-    rows = []
-    for shape in SPLIT_SHAPES:
-        rule = stage.choose_plan(*plan_args(shape)).num_splits
-        counts = sorted({*SPLIT_COUNTS, rule})
-        times = time_variants(stage, shape, {f"{n}": {"num_splits": n} for n in counts})
-        rows.append({"shape": shape, "times": times, "rule": f"{rule}"})
-        print(rows[-1], flush=True)
+def timed_rows(shapes, variants_of, fp8: bool = False):
+    """A section: for each shape, ``variants_of(stage, shape)`` gives (variants, the rules' choice), which
+    ``time_variants`` times into a row; returns the function of ``stage`` that makes the section's rows."""
+    def rows(stage) -> list[dict]:
+        made = []
+        for shape in shapes:
+            variants, rule = variants_of(stage, shape)
+            made.append({"shape": shape, "times": time_variants(stage, shape, variants, fp8), "rule": rule})
+            print(made[-1], flush=True)
+        return made
     return rows
 
 
-def bench_keys_per_split(stage) -> list[dict]:
-    rows = []
-    for shape in SHORT_SHAPES:
-        plan = stage.choose_plan(*plan_args(shape))
-        variants = {f"{keys}": {"plan": stage.DecodePlan(1, 8, math.ceil(shape[1] / keys))}
-                    for keys in KEYS_PER_SPLIT if keys <= shape[1]}
-        rule = next((name for name, options in variants.items() if options["plan"] == plan), None)
-        rows.append({"shape": shape, "times": time_variants(stage, shape, variants), "rule": rule})
-        print(rows[-1], flush=True)
-    return rows
+def split_counts(stage, shape):
+    rule = stage.choose_plan(*plan_args(shape)).num_splits
+    return {f"{n}": {"num_splits": n} for n in sorted({*SPLIT_COUNTS, rule})}, f"{rule}"
 
 
-def bench_row_tiles(stage) -> list[dict]:
-    rows = []
-    for shape in ROW_TILE_SHAPES:
-        variants, rules = {}, []
-        for cache_dtype, prefix in (("float16", ""), ("float8_e4m3fn", "fp8 ")):
-            args = plan_args(shape, cache_dtype)
-            for tiles, name in ((1, "1 tile"), (stage.row_tiles(args[2], HEAD_DIM), "row tiles")):
-                plan = stage.DecodePlan(tiles, stage.pick_warps(*args, tiles))
-                variants[prefix + name] = {"plan": plan}
-            rules.append(prefix + ("row tiles" if stage.pick_row_tiles(*args) > 1 else "1 tile"))
-        rows.append({"shape": shape, "times": time_variants(stage, shape, variants, fp8=True), "rule": rules})
-        print(rows[-1], flush=True)
-    return rows
+def keys_per_split(stage, shape):
+    plan = stage.choose_plan(*plan_args(shape))
+    variants = {f"{keys}": {"plan": stage.DecodePlan(1, 8, math.ceil(shape[1] / keys))}
+                for keys in KEYS_PER_SPLIT if keys <= shape[1]}
+    return variants, next((name for name, options in variants.items() if options["plan"] == plan), None)
 
 
-def bench_warps(stage) -> list[dict]:
+def row_tiles(stage, shape):
+    variants, rules = {}, []
+    for cache_dtype, prefix in (("float16", ""), ("float8_e4m3fn", "fp8 ")):
+        args = plan_args(shape, cache_dtype)
+        for tiles, name in ((1, "1 tile"), (stage.row_tiles(args[2], HEAD_DIM), "row tiles")):
+            variants[prefix + name] = {"plan": stage.DecodePlan(tiles, stage.pick_warps(*args, tiles))}
+        rules.append(prefix + ("row tiles" if stage.pick_row_tiles(*args) > 1 else "1 tile"))
+    return variants, rules
+
+
+def warps(stage, shape):
     """4 or 8 warps per CTA (the rules' row tiles), and 8 warps with half and twice their split count."""
-    rows = []
-    for shape in WARP_SHAPES:
-        args = plan_args(shape)
-        tiles = stage.pick_row_tiles(*args)
-        splits = stage.auto_num_splits(*args, tiles, 8)
-        plans = {"4 warps": stage.DecodePlan(tiles, 4), "8 warps": stage.DecodePlan(tiles, 8),
-                 "8 warps, half the splits": stage.DecodePlan(tiles, 8, max(1, splits // 2)),
-                 "8 warps, twice the splits": stage.DecodePlan(tiles, 8, 2 * splits)}
-        times = time_variants(stage, shape, {name: {"plan": plan} for name, plan in plans.items()})
-        rows.append({"shape": shape, "times": times, "rule": f"{stage.pick_warps(*args, tiles)} warps"})
-        print(rows[-1], flush=True)
-    return rows
+    args = plan_args(shape)
+    tiles = stage.pick_row_tiles(*args)
+    splits = stage.auto_num_splits(*args, tiles, 8)
+    plans = {"4 warps": stage.DecodePlan(tiles, 4), "8 warps": stage.DecodePlan(tiles, 8),
+             "8 warps, half the splits": stage.DecodePlan(tiles, 8, max(1, splits // 2)),
+             "8 warps, twice the splits": stage.DecodePlan(tiles, 8, 2 * splits)}
+    return {name: {"plan": plan} for name, plan in plans.items()}, f"{stage.pick_warps(*args, tiles)} warps"
 
 
-def bench_tiles_and_warps(stage) -> list[dict]:
+def tiles_and_warps(stage, shape):
     """Row tiles (``row_tiles(G, D)``) or one tile, each on 4 or 8 warps, with the automatic split count."""
-    rows = []
-    for shape in TILE_WARP_SHAPES:
-        args = plan_args(shape)
-        tiles = stage.row_tiles(args[2], HEAD_DIM)
-        plans = {"tiles, 4 warps": stage.DecodePlan(tiles, 4), "tiles, 8 warps": stage.DecodePlan(tiles, 8),
-                 "1 tile, 8 warps": stage.DecodePlan(1, 8), "1 tile, 4 warps": stage.DecodePlan(1, 4)}
-        chosen = stage.choose_plan(*args)
-        rule = next(name for name, plan in plans.items()
-                    if (plan.row_tiles, plan.warps) == (chosen.row_tiles, chosen.warps))
-        times = time_variants(stage, shape, {name: {"plan": plan} for name, plan in plans.items()})
-        rows.append({"shape": shape, "times": times, "rule": rule})
-        print(rows[-1], flush=True)
-    return rows
+    args = plan_args(shape)
+    tiles = stage.row_tiles(args[2], HEAD_DIM)
+    plans = {"tiles, 4 warps": stage.DecodePlan(tiles, 4), "tiles, 8 warps": stage.DecodePlan(tiles, 8),
+             "1 tile, 8 warps": stage.DecodePlan(1, 8), "1 tile, 4 warps": stage.DecodePlan(1, 4)}
+    chosen = stage.choose_plan(*args)
+    rule = next(name for name, plan in plans.items() if (plan.row_tiles, plan.warps) == (chosen.row_tiles, chosen.warps))
+    return {name: {"plan": plan} for name, plan in plans.items()}, rule
 
 
 # Each section's variant columns; the split counts' rule gets one column of its own, whatever count it picked.
@@ -157,8 +141,10 @@ COLUMNS = {"split counts": [f"{n}" for n in SPLIT_COUNTS] + ["rule"], "keys per 
            "row tiles": ["1 tile", "row tiles", "fp8 1 tile", "fp8 row tiles"],
            "warps": ["4 warps", "8 warps", "8 warps, half the splits", "8 warps, twice the splits"],
            "tiles and warps": ["tiles, 4 warps", "tiles, 8 warps", "1 tile, 8 warps", "1 tile, 4 warps"]}
-SECTIONS = {"split counts": bench_split_counts, "keys per split": bench_keys_per_split,
-            "row tiles": bench_row_tiles, "warps": bench_warps, "tiles and warps": bench_tiles_and_warps}
+SECTIONS = {"split counts": timed_rows(SPLIT_SHAPES, split_counts),
+            "keys per split": timed_rows(SHORT_SHAPES, keys_per_split),
+            "row tiles": timed_rows(ROW_TILE_SHAPES, row_tiles, fp8=True),
+            "warps": timed_rows(WARP_SHAPES, warps), "tiles and warps": timed_rows(TILE_WARP_SHAPES, tiles_and_warps)}
 
 
 def _cell(row: dict, name: str) -> str:
@@ -214,22 +200,13 @@ def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
     out_dir = Path(out_dir)
     sections = {name: lambda section=section: section(stages.get(9).load("solutions"))
                 for name, section in SECTIONS.items()}
-    results = bench.run_sections(out_dir / "decode-variants.json", sections, only)
+    results = bench.run_sections(out_dir, "decode-variants.json", sections, only)
     write_tables(results, out_dir)
     return results
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--render", action="store_true", help="decode-variants.json -> the tables (no GPU)")
-    parser.add_argument("--only", choices=bench.section_choices(SECTIONS),
-                        help="time one section again; the others keep their decode-variants.json entries")
-    args = parser.parse_args(argv)
-    if args.render:
-        write_tables(json.loads((args.out / "decode-variants.json").read_text()), args.out)
-    else:
-        run(args.out, bench.section_choices(SECTIONS).get(args.only))
+    bench.sections_command(argv, __doc__.splitlines()[0], "decode-variants.json", SECTIONS, run, write_tables)
 
 
 if __name__ == "__main__":

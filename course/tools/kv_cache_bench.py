@@ -19,7 +19,6 @@ Never edit the outputs by hand.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from course.tools import bench
@@ -120,9 +119,7 @@ def run(out_dir: Path = DEFAULT_OUT) -> dict:
             print(name, results["rows"][name][-1], flush=True)
         del model
         torch.cuda.empty_cache()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / JSON).write_text(json.dumps(results, indent=2) + "\n")
+    bench.save_results(Path(out_dir), JSON, results)
     render(out_dir)
     return results
 
@@ -153,9 +150,7 @@ def table(results: dict) -> str:
 
 
 def render(out_dir: Path = DEFAULT_OUT) -> str:
-    text = table(json.loads((Path(out_dir) / JSON).read_text()))
-    (Path(out_dir) / MD).write_text(text)
-    return text
+    return bench.render_results(out_dir, JSON, MD, table)
 
 
 def main(argv=None) -> None:

@@ -25,9 +25,7 @@ Never edit the outputs by hand.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 from pathlib import Path
 
 from course.tools import bench
@@ -242,22 +240,13 @@ def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
     out_dir = Path(out_dir)
     sections = {name: lambda stage=stage, section=section: section(stages.get(stage).load("solutions"))
                 for name, (stage, section) in SECTIONS.items()}
-    results = bench.run_sections(out_dir / "serving.json", sections, only)
+    results = bench.run_sections(out_dir, "serving.json", sections, only)
     write_tables(results, out_dir)
     return results
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--render", action="store_true", help="serving.json -> the tables (no GPU)")
-    parser.add_argument("--only", choices=bench.section_choices(SECTIONS),
-                        help="time one section again; the others keep their serving.json entries")
-    args = parser.parse_args(argv)
-    if args.render:
-        write_tables(json.loads((args.out / "serving.json").read_text()), args.out)
-    else:
-        run(args.out, bench.section_choices(SECTIONS).get(args.only))
+    bench.sections_command(argv, __doc__.splitlines()[0], "serving.json", SECTIONS, run, write_tables)
 
 
 if __name__ == "__main__":

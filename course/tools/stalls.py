@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import re
 import shutil
 import subprocess
@@ -85,12 +84,13 @@ def instructions(rows: list[dict]) -> list[dict]:
 
 
 def loops(code: list[dict]) -> list[dict]:
-    """Each HGMMA loop with the instructions in it, and the whole kernel's sample count."""
+    """Each HGMMA loop: its first address, whether it masks, its instructions, their samples and MUFU.EX2s."""
     listing = [(c["offset"], c["opcode"], c["operands"]) for c in code]
     found = []
     for start, end, body in sass.hgmma_loops(listing):
         inside = [c for c in code if start <= c["offset"] <= end]
-        found.append({"start": start, "masked": body["SEL"] >= 32, "code": inside})
+        found.append({"start": start, "masked": body["SEL"] >= 32, "code": inside,
+                      "samples": sum(c["samples"] for c in inside), "exp2": body["MUFU.EX2"]})
     return found
 
 
@@ -116,11 +116,10 @@ def summarize(code: list[dict]) -> dict:
     """The kernel's samples, and per HGMMA loop its share and (for the busiest) its regions."""
     total = sum(c["samples"] for c in code)
     found = loops(code)
-    busiest = max(found, key=lambda loop: sum(c["samples"] for c in loop["code"]))
+    busiest = max(found, key=lambda loop: loop["samples"])
     return {"samples": total,
             "loops": [{"start": loop["start"], "masked": loop["masked"], "instructions": len(loop["code"]),
-                       "samples": sum(c["samples"] for c in loop["code"]),
-                       "exp2": sum(c["opcode"] == "MUFU.EX2" for c in loop["code"]),
+                       "samples": loop["samples"], "exp2": loop["exp2"],
                        **({"regions": regions(loop)} if loop is busiest else {})} for loop in found]}
 
 
@@ -138,8 +137,7 @@ def run(out_dir: Path = DEFAULT_OUT, impl: str = "solutions") -> dict:
                             "--launch-skip", "3", "--launch-count", "1", "-f", "-o", str(report), sys.executable,
                             str(script)], check=True, capture_output=True)
             results[mode] = summarize(instructions(source_rows(report)))
-    out_dir = Path(out_dir)
-    (out_dir / JSON).write_text(json.dumps(results, indent=1) + "\n")
+    bench.save_results(Path(out_dir), JSON, results)
     render(out_dir)
     return results
 
@@ -169,9 +167,7 @@ def table(results: dict) -> str:
 
 
 def render(out_dir: Path = DEFAULT_OUT) -> str:
-    text = table(json.loads((Path(out_dir) / JSON).read_text()))
-    (Path(out_dir) / MD).write_text(text)
-    return text
+    return bench.render_results(out_dir, JSON, MD, table)
 
 
 def main(argv=None) -> None:
