@@ -77,15 +77,20 @@ class Tiles:
 
     mma_warpgroups: int
     tile_n: int
+    windowed_tile_n: int = 0  # keys per KV tile under a left window, if fewer (its bounds take registers)
+
+    def keys_per_tile(self, has_left: bool) -> int:
+        return self.windowed_tile_n if has_left and self.windowed_tile_n else self.tile_n
 
 
-# By head dims (D_qk, D_v). Shared memory decides tile_n: Q, the K and V rings and the O buffers must fit
-# (shared_bytes), so the wider the rows, the fewer keys per tile. Two warpgroups everywhere: a third (FA3's
-# 192-row tiles) fits its 160 registers only with 80-key tiles ("Where stage 8 still trails" on the page).
+# By head dims (D_qk, D_v), chosen by measurement (the page's "Tiles per head dim"). Shared memory bounds
+# tile_n: Q, the K and V rings and the O buffers must fit (shared_bytes), so the wider the rows, the fewer keys
+# per tile. Registers bound the warpgroups: three (192-row Q tiles, FA3's choice below D = 128) have 160 each
+# (REGISTERS), enough for S, P and O of a 128-key tile at D = 64 but not for a left window's bounds as well.
 TILES = {
-    (64, 64): Tiles(2, 128),
-    (80, 80): Tiles(2, 128),
-    (96, 96): Tiles(2, 128),
+    (64, 64): Tiles(3, 128, windowed_tile_n=96),
+    (80, 80): Tiles(3, 80),
+    (96, 96): Tiles(3, 96),
     (128, 128): Tiles(2, 128),
     (192, 128): Tiles(2, 112),
     (192, 192): Tiles(2, 80),
@@ -93,7 +98,15 @@ TILES = {
 }
 HEAD_DIMS = tuple(TILES)
 # setmaxnreg per warpgroup count: 128 * producer + 128 * warpgroups * mma <= 64K registers.
-REGISTERS = {2: (24, 240)}  # (producer, MMA)
+REGISTERS = {2: (24, 240), 3: (24, 160)}  # (producer, MMA)
+# Local memory a configuration may use. Two warpgroups never spill. With three, ptxas keeps a few scalars
+# (tile coordinates, mask bounds, stage 10's sequence offsets) in local memory, L1 hits reloaded a few times
+# per tile; more than this means a loop keeps values live that it does not need.
+SPILL_BYTES_ALLOWED = {2: 0, 3: 96}
+
+
+def spill_bytes_allowed(config: prefill.KernelConfig) -> int:
+    return SPILL_BYTES_ALLOWED[TILES[config.head_dim, config.dv].mma_warpgroups]
 
 
 def shared_bytes(head_dim: int, head_dim_v: int, tiles: Tiles, dtype_bytes: int = 2) -> int:
@@ -902,7 +915,7 @@ class Attention:
         self.head_dim, self.head_dim_v = config.head_dim, config.dv
         tiles = TILES[self.head_dim, self.head_dim_v]
         self.num_wgs = tiles.mma_warpgroups  # MMA warpgroups: 64 query rows each
-        self.tile_n = tiles.tile_n
+        self.tile_n = tiles.keys_per_tile(config.has_left)
         self.tile_m = 64 * self.num_wgs
         self.mma_threads = 128 * self.num_wgs
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then MMA warpgroups 0, 1, ...

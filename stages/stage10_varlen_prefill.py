@@ -67,6 +67,7 @@ from solutions.stage08_fa3_prefill import (  # noqa: F401 (stage 8's kernel, sol
     pingpong_start,
     quad_allreduce,
     rows_cols_view,
+    spill_bytes_allowed,
     store_lse,
     store_o_rows,
 )

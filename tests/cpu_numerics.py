@@ -204,18 +204,18 @@ def kv_tile_keys(module) -> int:
     return module.TILES[128, 128].tile_n if module.STAGE >= 8 else module.TILE_N
 
 
-def qk_tiled_mma(module, tile_n: int):
+def qk_tiled_mma(module, tile_n: int, tile_m: int = Q_TILE_ROWS):
     """S = Q K^T partitioned as the kernel does it (qk_mma in Attention.__call__): the (row, key) of each register."""
     return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K, OperandMajorMode.K,
-                                             Float32, (2, 1, 1), (64, tile_n))
+                                             Float32, (tile_m // 64, 1, 1), (64, tile_n))
 
 
-def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, tile_n: int):
+def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, tile_n: int,
+                tile_m: int = Q_TILE_ROWS):
     """The stage's WindowMask of Q tile ``m_block``; num_sink_tokens is one of its arguments from stage 5 on,
-    the Q tile's rows (two MMA warpgroups: 128) and keys from stage 8 on."""
+    the Q tile's rows (64 per MMA warpgroup) and keys from stage 8 on."""
     if module.STAGE >= 8:
-        return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS,
-                                 tile_n)
+        return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, tile_m, tile_n)
     if module.STAGE >= 5:
         return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
     return module.WindowMask(m_block, seqlen_q, seqlen_k, left, right, config)
@@ -223,7 +223,7 @@ def window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_si
 
 @cute.jit
 def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: cutlass.Constexpr,
-                tile_n: cutlass.Constexpr, scores: cute.Tensor, tiles: cute.Tensor, visits: cute.Tensor, m_block: Int32, seqlen_q: Int32,
+                tile_n: cutlass.Constexpr, tile_m: cutlass.Constexpr, scores: cute.Tensor, tiles: cute.Tensor, visits: cute.Tensor, m_block: Int32, seqlen_q: Int32,
                 seqlen_k: Int32, left: Int32, right: Int32, num_sink_tokens: Int32):
     """WindowMask of Q tile ``m_block`` on every register of every consumer thread, for each KV tile.
 
@@ -232,8 +232,8 @@ def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: 
     and from stage 8 on the loop's [first, end) of unmasked steps (``unmasked_steps``); ``visits``
     [2, n_blocks] gets, per step, its KV tile (``kv_block``), and per KV tile ``tile_is_partial``.
     """
-    qk_mma = qk_tiled_mma(module, tile_n)
-    mask = window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, tile_n)
+    qk_mma = qk_tiled_mma(module, tile_n, tile_m)
+    mask = window_mask(module, config, m_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, tile_n, tile_m)
     n_block_min, n_block_max = mask.kv_block_range()
     tiles[0] = n_block_min
     tiles[1] = n_block_max
@@ -250,10 +250,10 @@ def mask_q_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, n_blocks: 
             visits[1, i] = Int32(tile_is_partial(i))
     apply = mask.apply  # (a runtime loop may not carry the mask object; its bound method is fine)
     for n_block in range(n_blocks):
-        for thread in range(MMA_THREADS):
+        for thread in range(2 * tile_m):  # 128 threads per 64-row MMA warpgroup
             thr = qk_mma.get_slice(thread)
-            acc_S = thr.make_fragment_C(thr.partition_shape_C((Q_TILE_ROWS, tile_n)))
-            tScS = thr.partition_C(cute.make_identity_tensor((Q_TILE_ROWS, tile_n)))
+            acc_S = thr.make_fragment_C(thr.partition_shape_C((tile_m, tile_n)))
+            tScS = thr.partition_C(cute.make_identity_tensor((tile_m, tile_n)))
             acc_S.fill(0.0)
             apply(acc_S, tScS, n_block)
             for i in cutlass.range(cute.size(acc_S), unroll_full=True):
@@ -491,7 +491,8 @@ def mask_description(features: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in features.items()) or "no mask"
 
 
-def check_masks(module, features: dict, lengths: list[tuple[int, int]], tile_n: int | None = None) -> None:
+def check_masks(module, features: dict, lengths: list[tuple[int, int]], tile_n: int | None = None,
+                tile_m: int = Q_TILE_ROWS) -> None:
     """WindowMask.kv_block_range (and sink_block_count) and apply, for every Q tile, against reference.visible_keys.
 
     ``features``: causal, window_size and num_sink_tokens as the API takes them. ``apply`` must
@@ -502,7 +503,7 @@ def check_masks(module, features: dict, lengths: list[tuple[int, int]], tile_n: 
     left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
     sinks = features.get("num_sink_tokens", 0)
     config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = Q_TILE_ROWS, tile_n or kv_tile_keys(module)
+    tile_n = tile_n or kv_tile_keys(module)
     n_blocks = max(_tiles(s_k, tile_n) for _, s_k in lengths)
     scores = torch.zeros(tile_m, n_blocks * tile_n)
     tiles = torch.zeros(5, dtype=torch.int32)
@@ -513,7 +514,7 @@ def check_masks(module, features: dict, lengths: list[tuple[int, int]], tile_n: 
             scores.zero_()
             tiles.zero_()
             args = (scores, tiles, visits, m_block, s_q, s_k, left, right, sinks)
-            compile_on_cpu(mask_q_tile, (module, config, n_blocks, tile_n), args)(*args)
+            compile_on_cpu(mask_q_tile, (module, config, n_blocks, tile_n, tile_m), args)(*args)
             rows = visible[m_block * tile_m:(m_block + 1) * tile_m]
             where = f"{mask_description(features)}, S_q={s_q}, S_k={s_k}, Q tile {m_block} of {tile_m} rows, " \
                     f"KV tiles of {tile_n} keys"

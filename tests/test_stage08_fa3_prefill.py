@@ -82,26 +82,31 @@ def test_on_cpu_window_and_visit_order(stage, name):
     cpu_numerics.check_masks(stage, case, lengths)
 
 
-# KV tiles narrower than the Q tile (the wide head dims): the diagonal crosses several of them, and a Q tile's
-# window edges fall inside tiles at other places.
+# KV tiles narrower than the Q tile (the wide head dims) and 192-row Q tiles (three MMA warpgroups): the diagonal
+# crosses several KV tiles, and a Q tile's window edges fall inside tiles at other places.
 NARROW_TILE_MASKS = ["causal", "window-asymmetric", "tokens-swa-far"]
+OTHER_TILINGS = sorted({(64 * t.mma_warpgroups, n) for t in STAGE.load("solutions").TILES.values()
+                        for n in (t.tile_n, t.windowed_tile_n) if n} - {(128, 128)})
 
 
 @pytest.mark.compiles
 @pytest.mark.parametrize("name", NARROW_TILE_MASKS)
-@pytest.mark.parametrize("tile_n", sorted({t.tile_n for t in STAGE.load("solutions").TILES.values()} - {128}))
-def test_on_cpu_window_with_narrow_kv_tiles(stage, name, tile_n):
-    """The same checks with the KV tile widths of the head dims above 128 (TILES)."""
+@pytest.mark.parametrize("tiling", OTHER_TILINGS, ids=[f"{m}x{n}" for m, n in OTHER_TILINGS])
+def test_on_cpu_window_with_other_tiles(stage, name, tiling):
+    """The same checks with the Q and KV tiles of the other head dims (TILES)."""
     case, lengths = STAGE8_MASKS[name]
-    cpu_numerics.check_masks(stage, case, lengths, tile_n=tile_n)
+    tile_m, tile_n = tiling
+    cpu_numerics.check_masks(stage, case, lengths, tile_n=tile_n, tile_m=tile_m)
 
 
+@pytest.mark.parametrize("num_wgs", sorted({t.mma_warpgroups for t in STAGE.load("solutions").TILES.values()}),
+                         ids=lambda n: f"{n}-warpgroups")
 @pytest.mark.parametrize("overlapped", [True, False], ids=["overlapped-loop", "pingpong-loop"])
-def test_on_cpu_synchronization(stage, overlapped):
-    """Your ping-pong and overlapped step, both MMA warpgroups recorded on the CPU and replayed in a model of the
+def test_on_cpu_synchronization(stage, overlapped, num_wgs):
+    """Your ping-pong and overlapped step, every MMA warpgroup recorded on the CPU and replayed in a model of the
     hardware's rules: no hang, one turn at a time, no register race with an in-flight WGMMA, buffers released after
     the GEMMs that read them, the softmax under the P V (tests/cpu_sync.py)."""
-    cpu_sync.check_stage8(stage, overlapped=overlapped)
+    cpu_sync.check_stage8(stage, overlapped=overlapped, num_wgs=num_wgs)
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)

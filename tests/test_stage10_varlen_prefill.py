@@ -67,10 +67,10 @@ def test_bad_varlen_input_is_rejected_before_launch(stage, name):
 
 def test_page_rows_divide_tile_and_page(stage):
     """A paged copy never crosses a page or a KV tile, and is whole 16-row pieces (the swizzle's 8-row atoms)."""
-    for tiles in stage.TILES.values():
+    for tile_n in {n for tiles in stage.TILES.values() for n in (tiles.tile_n, tiles.windowed_tile_n) if n}:
         for page_size in range(16, 513, 16):
-            rows = varlen.page_rows(tiles.tile_n, page_size)
-            assert tiles.tile_n % rows == 0 and page_size % rows == 0 and rows % 16 == 0, (tiles, page_size)
+            rows = varlen.page_rows(tile_n, page_size)
+            assert tile_n % rows == 0 and page_size % rows == 0 and rows % 16 == 0, (tile_n, page_size)
 
 
 def test_check_varlen_values(stage):

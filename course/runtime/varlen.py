@@ -154,7 +154,7 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
     config = VarlenConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                           left >= 0 and num_sink_tokens > 0,
                           shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0,
-                          page_rows=page_rows(tiles.tile_n, shape.page_size) if paged else 0,
+                          page_rows=page_rows(tiles.keys_per_tile(left >= 0), shape.page_size) if paged else 0,
                           has_seqused_k=has_seqused_k and not paged, has_alibi=has_alibi)
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
     device = q.device
