@@ -876,12 +876,13 @@ class Attention:
 
     steps = Step.PERSISTENT  # every step of this stage (Step is ordered: a level includes the ones before)
     l2_bytes = L2_BYTES  # the K and V a group of heads may keep in L2 (Step.PERSISTENT)
+    forced_tiles = None  # a Tiles instead of TILES's (course.tools.tile_variants times the others)
 
     def __init__(self, config: prefill.KernelConfig):
         self.config = config  # what this kernel is compiled for: a feature that is off compiles out
         self.dtype = config.cute_dtype
         self.head_dim, self.head_dim_v = config.head_dim, config.dv
-        tiles = TILES[self.head_dim, self.head_dim_v]
+        tiles = self.forced_tiles or TILES[self.head_dim, self.head_dim_v]
         self.num_wgs = tiles.mma_warpgroups  # MMA warpgroups: 64 query rows each
         self.tile_n = tiles.keys_per_tile(config.has_left)
         self.tile_m = 64 * self.num_wgs

@@ -856,6 +856,30 @@ def test_decode_variants_render_the_rules_choice_in_bold(tmp_path):
     assert "Not measured yet" in (tmp_path / decode_variants.file_name("row tiles")).read_text()
 
 
+def test_tile_variants_render_shares_of_fa4_with_the_chosen_tiling_in_bold(tmp_path):
+    """`tile_variants --render`: a row per shape, each tiling's TFLOP/s as a share of FA4's, TILES's choice in bold;
+    every forced tiling fits in shared memory and TILES's choice for each head dim is one of those timed."""
+    import json
+
+    from course.tools import tile_variants
+
+    stage = stages.get(8).load("solutions")
+    for head_dim, variants in tile_variants.VARIANTS.items():
+        chosen = stage.TILES[head_dim, head_dim]
+        assert (chosen.mma_warpgroups, chosen.tile_n) in variants, (head_dim, chosen)
+        for tiling in variants:
+            assert stage.shared_bytes(head_dim, head_dim, stage.Tiles(*tiling)) <= stage.SMEM_BYTES, tiling
+    results = {"environment": {"gpu": "H100"}, "tilings": [
+        {"label": "B=4 H=16 S_q=4096 S_k=4096 D=64 float16", "head_dim": 64,
+         "tflops": {"FA4": 500.0, "SDPA cuDNN": 440.0, "2 x 128": 400.0, "3 x 128": 495.0}}]}
+    (tmp_path / tile_variants.JSON).write_text(json.dumps(results))
+    tile_variants.main(["--render", "--out", str(tmp_path)])
+    text = (tmp_path / tile_variants.TABLE).read_text()
+    assert "| B=4 H=16 S_q=4096 S_k=4096 D=64 float16 | 500 | 0.88 | 0.80 | - | - | - | - | - | **0.99** |" in text
+    tile_variants.write_tables({"environment": {}}, tmp_path)
+    assert "Not measured yet" in (tmp_path / tile_variants.TABLE).read_text()
+
+
 def test_kv_cache_bench_renders_speedups_sizes_and_logit_differences(tmp_path):
     """`kv_cache_bench --render`: a row per (model, batch, context): the three caches' step times, the bf16 time
     over each quantized one's, the caches' sizes and the logits' difference from the bf16 cache's."""
