@@ -34,6 +34,9 @@ STAGE8_BUGS = {
     "turn-never-passed": ("overlapped_step", [Delete("pingpong_pass")], "deadlock"),
     "gemms-before-the-turn": ("overlapped_step", [MoveBefore("pingpong_wait", "pingpong_pass")],
                               "outside the warpgroup's turn"),
+    "turn-passed-back-and-forth": ("pingpong_pass", [SetArgument(ARRIVE, "barrier_id",
+                                                                  "int(NamedBarrier.SCHEDULER_WG1) + 1 - mma_wg")],
+                                   "deadlock"),  # right for two warpgroups only: D = 64 to 96 run three
     "scheduler-barrier-counts-half": ("pingpong_start", [SetArgument(ARRIVE, "number_of_threads", "128")], "threads here"),
     "v-never-waited-for": ("overlapped_step", [Delete(WAIT_V)], "without waiting"),
 }
@@ -47,7 +50,14 @@ STAGE2_BUGS = {
     "v-state-not-advanced": ("second_pass_accumulate", [Delete("v_state.advance")], "not advanced once per tile"),
 }
 
-CHECKS = {8: cpu_sync.check_stage8, 2: cpu_sync.check_stage2}
+
+
+def check_stage8_every_warpgroup_count(module):
+    for num_wgs in (2, 3):  # TILES uses both
+        cpu_sync.check_stage8(module, num_wgs=num_wgs)
+
+
+CHECKS = {8: check_stage8_every_warpgroup_count, 2: cpu_sync.check_stage2}
 BUGS = [(8, name, *bug) for name, bug in STAGE8_BUGS.items()] + [(2, name, *bug) for name, bug in STAGE2_BUGS.items()]
 
 
