@@ -8,9 +8,9 @@ cycle per SM: a 128 x 128 tile of them takes about half as long as the tile's
 two GEMMs) its share of the tensor cores has nothing to do. Five steps, each
 a compile-time level (``Step``) so that the benchmark measures each one:
 
-1. Ping-pong (``Step.PINGPONG``): the two MMA warpgroups take turns at the
-   tensor cores through two named barriers, so one warpgroup's softmax runs
-   while the other's GEMMs run.
+1. Ping-pong (``Step.PINGPONG``): the MMA warpgroups (three below D = 128)
+   take turns at the tensor cores through a named barrier each, so one
+   warpgroup's softmax runs while another's GEMMs run.
 2. Intra-warpgroup overlap (``Step.OVERLAP``): each iteration issues
    S = Q K^T(j) and O += P V(j-1), waits for Q K^T(j) only
    (``wait_group(1)``), so that softmax(j) may run while P V(j-1) is still on
