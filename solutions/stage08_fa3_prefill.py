@@ -83,9 +83,9 @@ class Tiles:
         return self.windowed_tile_n if has_left and self.windowed_tile_n else self.tile_n
 
 
-# By head dims (D_qk, D_v), chosen by measurement (the page's "Tiles per head dim"). Shared memory bounds
-# tile_n: Q, the K and V rings and the O buffers must fit (shared_bytes), so the wider the rows, the fewer keys
-# per tile. Registers bound the warpgroups: three (192-row Q tiles, FA3's choice below D = 128) have 160 each
+# By head dims (D_qk, D_v), chosen by measurement (course.tools.tile_variants; the page's "what decides the
+# tiles"). Shared memory bounds tile_n: Q, the K and V rings and the O buffers must fit (shared_bytes), so the
+# wider the rows, the fewer keys per tile. Registers bound the warpgroups: three (192-row Q tiles, FA3's choice below D = 128) have 160 each
 # (REGISTERS), enough for S, P and O of a 128-key tile at D = 64 but not for a left window's bounds as well.
 TILES = {
     (64, 64): Tiles(3, 128, windowed_tile_n=96),

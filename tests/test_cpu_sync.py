@@ -51,7 +51,6 @@ STAGE2_BUGS = {
 }
 
 
-
 def check_stage8_every_warpgroup_count(module):
     for num_wgs in (2, 3):  # TILES uses both
         cpu_sync.check_stage8(module, num_wgs=num_wgs)

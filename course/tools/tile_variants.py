@@ -79,8 +79,8 @@ def table(results: dict) -> str:
              "| shape | FA4 TFLOP/s | cuDNN | " + " | ".join(names) + " |",
              "|---|" + "---:|" * (len(names) + 2)]
     for row in results.get("tilings", []):
-        chosen = tiles[row["head_dim"], row["head_dim"]]
-        chosen = variant_name((chosen.mma_warpgroups, chosen.tile_n))
+        tiling = tiles[row["head_dim"], row["head_dim"]]
+        chosen = variant_name((tiling.mma_warpgroups, tiling.tile_n))
         fa4 = row["tflops"].get("FA4")
         cells = [f"{fa4:.0f}" if fa4 else "-", *(_share(row, name, chosen) for name in ("SDPA cuDNN", *names))]
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
