@@ -438,11 +438,12 @@ class TensorCoreDecode:
         # are exact).
         self.mma_dtype = Float16 if self.quantized else self.q_dtype
         # The serving extras (compiled out when unused): the new token appended (and rotated), ALiBi,
-        # a rolling cache.
+        # a rolling cache, left-padded sequences.
         self.appends = config.appends
         self.rotary = config.rotary
         self.alibi = config.alibi
         self.rolling = config.rolling
+        self.leftpad = config.leftpad
         self.head_dim = config.head_dim
         self.paged = config.paged
         self.has_sink = config.has_sink
@@ -490,6 +491,7 @@ class TensorCoreDecode:
         mCos: cute.Tensor,         # [positions, rotary_dim / 2] (unused without rotary)
         mSin: cute.Tensor,
         mAlibi: cute.Tensor,       # [H_q] float32 slopes (unused without alibi)
+        mLeftpad: cute.Tensor,     # [B] int32: each sequence's first real row (unused without leftpad)
         scale_log2: Float32,
         window_left: Int32,
         num_sink_tokens: Int32,
@@ -517,24 +519,27 @@ class TensorCoreDecode:
         # --8<-- [end:grid]
         self.kernel(
             mQ, mK, mV, mSeqlens, mBlockTable, mSink, mKScale, mVScale, mO, mLSE, mPartO, mPartLSE, mCounters,
-            mKNew, mVNew, mCos, mSin, mAlibi, scale_log2, window_left, num_sink_tokens, cache_capacity,
+            mKNew, mVNew, mCos, mSin, mAlibi, mLeftpad, scale_log2, window_left, num_sink_tokens, cache_capacity,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=ctas_per_sm(self.head_dim, self.cache_name, self.row_tiles, self.num_warps),
                  preferred_smem_carveout=100)
 
     # --8<-- [start:key_row]
     @cute.jit
-    def key_row(self, v: Int32, v_end: Int32, n_sink: Int32, lo: Int32, ring: tuple) -> Int32:
-        """The cache row of visible key ``v`` (past the split's end, of its last key): the token's position,
-        or its slot in a rolling cache (``ring`` = (num_sink_tokens, cache_capacity))."""
+    def key_row(self, v: Int32, v_end: Int32, n_sink: Int32, lo: Int32, rows: tuple) -> Int32:
+        """The cache row of visible key ``v`` (past the split's end, of its last key): the token's position
+        after the sequence's left padding, or its slot in a rolling cache (``rows`` = (the sequence's first
+        real row, num_sink_tokens, cache_capacity))."""
         row = cache_row(v, v_end, n_sink, lo)
+        if cutlass.const_expr(self.leftpad):
+            row = row + rows[0]
         if cutlass.const_expr(self.rolling):
-            row = rolling_slot(row, ring[0], ring[1])
+            row = rolling_slot(row, rows[1], rows[2])
         return row
 
     @cute.jit
     def lookup_page(self, mBlockTable: cute.Tensor, page_shift: Int32, batch: Int32, first: Int32, v_end: Int32,
-                    n_sink: Int32, lo: Int32, ring: tuple, lane: Int32) -> Int32:
+                    n_sink: Int32, lo: Int32, rows: tuple, lane: Int32) -> Int32:
         """Paged cache: the pool page of row lane % 16 of the warp's 16 keys from visible key ``first``
         (one block-table load per lane; ``issue_loads`` shuffles each row's page to the lanes that copy it).
 
@@ -544,7 +549,7 @@ class TensorCoreDecode:
         """
         page = Int32(0)
         if cutlass.const_expr(self.paged):
-            row = self.key_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo, ring)
+            row = self.key_row(first + lane % KEYS_PER_WARP, v_end, n_sink, lo, rows)
             page = mBlockTable[batch, row >> page_shift]  # row // page_size
         return page
 
@@ -573,7 +578,7 @@ class TensorCoreDecode:
     @cute.jit
     def issue_loads(self, sK: cute.Tensor, sV: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                     page: Int32, batch: Int32, head_kv: Int32, first: Int32, v_end: Int32,
-                    n_sink: Int32, lo: Int32, ring: tuple, lane: Int32):
+                    n_sink: Int32, lo: Int32, rows: tuple, lane: Int32):
         """Start the cp.async copies of the warp's 16 keys from visible key ``first`` into its tiles
         ``sK``, ``sV`` [16 rows, chunks, 16 bytes] of one ring stage.
 
@@ -586,8 +591,8 @@ class TensorCoreDecode:
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=LoadCacheMode.GLOBAL), self.cache_dtype,
                                    num_bits_per_copy=128)
         chunk = lane % self.chunks
-        row_first = self.key_row(first, v_end, n_sink, lo, ring)
-        row_last = self.key_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo, ring)
+        row_first = self.key_row(first, v_end, n_sink, lo, rows)
+        row_last = self.key_row(first + KEYS_PER_WARP - 1, v_end, n_sink, lo, rows)
         # A runtime loop of at most 8 unrolled copies: D = 256's 16 unrolled row addresses took
         # ptxas past its 255 registers (a 24-byte spill in the main loop).
         if self.rows_in_a_line(first, v_end, row_first, row_last, mK.shape[1]):
@@ -604,7 +609,7 @@ class TensorCoreDecode:
             # sinks' edge or a page boundary: a row, and a page, per copy.
             for i in cutlass.range(self.copies, unroll=COPIES_UNROLLED):
                 tile_row = i * self.rows_per_copy + lane // self.chunks
-                row = self.key_row(first + tile_row, v_end, n_sink, lo, ring)
+                row = self.key_row(first + tile_row, v_end, n_sink, lo, rows)
                 # Paged: row r's page is in lane r (lookup_page).
                 page_or_batch = batch if cutlass.const_expr(not self.paged) else cute.arch.shuffle_sync(page, tile_row)
                 self.copy_pieces(atom, self.row_piece(self.kv_rows(mK, page_or_batch, row, head_kv), 0, chunk),
@@ -741,15 +746,15 @@ class TensorCoreDecode:
 
     @cute.jit
     def write_new_token(self, mK: cute.Tensor, mV: cute.Tensor, mKNew: cute.Tensor, mVNew: cute.Tensor,
-                        mCos: cute.Tensor, mSin: cute.Tensor, mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32,
-                        position: Int32, ring: tuple, kq: Int32, k_scale: Float32, v_scale: Float32):
+                        angles: tuple, mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32,
+                        position: Int32, rows: tuple, kq: Int32, k_scale: Float32, v_scale: Float32):
         """Write the new token's K and V rows at ``position`` (its slot in a rolling cache), from the 4 threads
         of one quad, which cover every column of K (pieces 4p + kq) and of V (o_column). One CTA per
         (sequence, KV head) does it, and no CTA of the launch reads that row from the cache: each folds
         the new token in from k_new and v_new (start_with_new_token), and the keys it reads end before it."""
         row = position
         if cutlass.const_expr(self.rolling):
-            row = rolling_slot(position, ring[0], ring[1])
+            row = rolling_slot(position, rows[1], rows[2])
         page_or_batch = batch
         if cutlass.const_expr(self.paged):
             page_shift = cute.arch.log2_of_pow2_int(Int32(mK.shape[1]))
@@ -757,7 +762,7 @@ class TensorCoreDecode:
         k_row = self.kv_rows(mK, page_or_batch, row, head_kv)[0, None]
         v_row = self.kv_rows(mV, page_or_batch, row, head_kv)[0, None]
         for p in cutlass.range_constexpr(self.k_pieces):
-            stored = self.new_token_k(mKNew, self.angles(mCos, mSin, position), batch, head_kv, 4 * p + kq, k_scale)
+            stored = self.new_token_k(mKNew, angles, batch, head_kv, 4 * p + kq, k_scale)
             cute.autovec_copy(stored, cute.local_tile(k_row, (self.k_elems,), (4 * p + kq,)))
         for c in cutlass.range_constexpr(2):
             for piece in cutlass.range_constexpr(self.head_dim // 8 // self.v_elems):
@@ -961,6 +966,7 @@ class TensorCoreDecode:
         mCos: cute.Tensor,
         mSin: cute.Tensor,
         mAlibi: cute.Tensor,
+        mLeftpad: cute.Tensor,
         scale_log2: Float32,
         window_left: Int32,
         num_sink_tokens: Int32,
@@ -1022,6 +1028,12 @@ class TensorCoreDecode:
         if cutlass.const_expr(not self.rolling):
             cached = cutlass.min(cached, capacity - appends)  # never outside the cache
         seqlen = cached + appends
+        # A left-padded sequence is rows [first_key, cached + appends) of its cache: positions (seqlen,
+        # windows, RoPE, ALiBi) count from first_key, and key_row adds it back to find a key's row.
+        first_key = Int32(0)
+        if cutlass.const_expr(self.leftpad):
+            first_key = cutlass.min(cutlass.max(mLeftpad[batch], Int32(0)), cached)
+            seqlen = seqlen - first_key
         lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
         num_cached = num_visible - appends
         step = self.keys_per_iteration
@@ -1030,7 +1042,7 @@ class TensorCoreDecode:
         v_begin = cutlass.min(split * chunk, num_cached)
         v_end = cutlass.min(v_begin + chunk, num_cached)
         num_iters = (v_end - v_begin + step - 1) // step
-        ring = (num_sink_tokens, cache_capacity)  # a rolling cache's fixed rows and its length
+        rows = (first_key, num_sink_tokens, cache_capacity)  # where the keys live: key_row
         # --8<-- [end:split]
 
         # --8<-- [start:scales]
@@ -1052,7 +1064,7 @@ class TensorCoreDecode:
         s_q = cute.make_tensor(cute.recast_ptr(storage.q_fragment.data_ptr(), dtype=self.mma_dtype),
                                cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))
         r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
-        angles = self.angles(mCos, mSin, cached)  # RoPE at the new token's position
+        angles = self.angles(mCos, mSin, seqlen - appends)  # RoPE at the new token's position
         for r in cutlass.range_constexpr(2):
             head = first_head + cutlass.min(ROWS * tile + g + 8 * r, heads_here - 1)  # spare rows repeat a real head
             for p in cutlass.range_constexpr(self.k_pieces):
@@ -1099,7 +1111,7 @@ class TensorCoreDecode:
                 self.start_with_new_token(mVNew, batch, head_kv, kq, v_scale, new_score, score_scale,
                                           row_max, row_sum, acc_o)
             if split == 0 and head_chunk == 0 and warp_idx == self.num_warps - 1 and g == 0:
-                self.write_new_token(mK, mV, mKNew, mVNew, mCos, mSin, mBlockTable, batch, head_kv, cached, ring,
+                self.write_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
                                      kq, k_scale, v_scale)
         alibi_log2 = cute.make_rmem_tensor((2,), Float32)  # the thread's rows' slopes, in log2 units
         if cutlass.const_expr(self.alibi):
@@ -1120,11 +1132,11 @@ class TensorCoreDecode:
         for st in cutlass.range_constexpr(STAGES):
             if st < num_iters:
                 r_pages[st] = lookup_page(mBlockTable, page_shift, batch, warp_first + st * step, v_end, n_sink, lo,
-                                          ring, lane)
+                                          rows, lane)
         for st in cutlass.range_constexpr(STAGES - 1):
             if st < num_iters:
                 issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st],
-                            batch, head_kv, warp_first + st * step, v_end, n_sink, lo, ring, lane)
+                            batch, head_kv, warp_first + st * step, v_end, n_sink, lo, rows, lane)
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
@@ -1135,10 +1147,10 @@ class TensorCoreDecode:
             if ahead < num_iters:
                 issue_loads(sK_warp[ahead % STAGES, None, None, None], sV_warp[ahead % STAGES, None, None, None],
                             mK, mV, r_pages[STAGES - 1], batch, head_kv, warp_first + ahead * step, v_end,
-                            n_sink, lo, ring, lane)
+                            n_sink, lo, rows, lane)
             if ahead + 1 < num_iters:  # the next iteration's pages: the load has a whole iteration to land
                 r_pages[STAGES - 1] = lookup_page(mBlockTable, page_shift, batch, warp_first + (ahead + 1) * step, v_end,
-                                                  n_sink, lo, ring, lane)
+                                                  n_sink, lo, rows, lane)
             cute.arch.cp_async_commit_group()
             stage = it % STAGES
             # The warp's 16-key slices of this iteration: its own (one row tile), or those of its key group.
@@ -1256,6 +1268,7 @@ class DecodeConfig:
     rotary: str = ""           # one of ROTARY: RoPE on q and k_new (with appends)
     alibi: bool = False        # ALiBi slopes
     rolling: bool = False      # a rolling cache (cache_capacity rows)
+    leftpad: bool = False      # cache_leftpad: each sequence's keys start at its own row
 
     def __post_init__(self):
         if not self.cache_dtype:
@@ -1272,7 +1285,8 @@ class DecodeConfig:
         rows = f"_rows{ROWS * self.row_tiles}" if self.row_tiles > 1 else ""
         warps = f"_warps{self.warps}" if self.warps != 4 else ""
         extras = (f"{'_append' if self.appends else ''}{'_rope-' + self.rotary if self.rotary else ''}"
-                  f"{'_alibi' if self.alibi else ''}{'_rolling' if self.rolling else ''}")
+                  f"{'_alibi' if self.alibi else ''}{'_rolling' if self.rolling else ''}"
+                  f"{'_leftpad' if self.leftpad else ''}")
         return (f"{self.dtype}{cache}_d{self.head_dim}_{layout}{rows}{warps}"
                 f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}{extras}")
 
@@ -1311,8 +1325,9 @@ def fake_decode_tensors(config: DecodeConfig):
     cos = symbolic_tensor(q_dtype, ("positions", "half_rotary"), symbols=symbols)
     sin = symbolic_tensor(q_dtype, ("positions", "half_rotary"), symbols=symbols)
     alibi = small(cutlass.Float32, ("H_alibi",))
+    leftpad = small(cutlass.Int32, ("B_leftpad",))
     return (q, k, v, seqlens, block_table, sink, k_scale, v_scale, o, lse, part_o, part_lse, counters,
-            k_new, v_new, cos, sin, alibi)
+            k_new, v_new, cos, sin, alibi, leftpad)
 
 
 def kernel_and_args(config: DecodeConfig):
@@ -1321,9 +1336,9 @@ def kernel_and_args(config: DecodeConfig):
                                       Int32(0))
 
 
-# The serving extras a compiled configuration carries, in turn: (appends, rotary, alibi, rolling).
-EXTRAS = [(False, "", False, False), (True, "halves", False, False), (False, "", True, False),
-          (True, "interleaved", False, True), (True, "", True, False), (False, "", False, True)]
+# The serving extras a compiled configuration carries, in turn: (appends, rotary, alibi, rolling, leftpad).
+EXTRAS = [(False, "", False, False, False), (True, "halves", False, False, True), (False, "", True, False, True),
+          (True, "interleaved", False, True, False), (True, "", True, False, False), (False, "", False, True, False)]
 
 
 def compile_matrix() -> list[DecodeConfig]:
@@ -1455,7 +1470,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0,
                      return_lse=False, out=None, check_lengths=None, k_scale=None, v_scale=None, plan=None,
                      k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
-                     alibi_slopes=None, cache_capacity=None):
+                     alibi_slopes=None, cache_capacity=None, cache_leftpad=None):
     """One query token per sequence against its KV cache; the contract is docs/contract.md.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
@@ -1485,32 +1500,38 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     tokens keep their rows, token t >= num_sink_tokens lives in row
     num_sink_tokens + (t - num_sink_tokens) mod (cache_capacity - num_sink_tokens);
     it needs a window that fits (window_size_left < cache_capacity - num_sink_tokens).
+    ``cache_leftpad`` [B] int32: left-padded sequences, as a padded batch's
+    cache holds them: sequence b is rows cache_leftpad[b] .. of its cache, the
+    rows before it are padding, never read; positions (windows, sink tokens,
+    RoPE, ALiBi) count from its first real row. Not with a rolling cache.
     """
     key = launch.signature(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out,
                            softmax_scale, window_size_left, num_sink_tokens, num_splits, return_lse, plan,
-                           k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, cache_capacity)
+                           k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, alibi_slopes, cache_capacity,
+                           cache_leftpad)
     check = launch.check_device_values(check_lengths)
     run = launch.cached_plan(_PLANS, key, lambda: plan_launch(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
         window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
         num_splits=num_splits, return_lse=return_lse, out=out, k_scale=k_scale, v_scale=v_scale, plan=plan,
         check_lengths=check, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, cache_capacity=cache_capacity))
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, cache_capacity=cache_capacity,
+        cache_leftpad=cache_leftpad))
     if check:
-        validation.check_decode_values(cache_seqlens, block_table, run.shape, k_scale, v_scale)
+        validation.check_decode_values(cache_seqlens, block_table, run.shape, k_scale, v_scale, cache_leftpad)
     return run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out,
-               k_new, v_new, rotary_cos, rotary_sin, alibi_slopes)
+               k_new, v_new, rotary_cos, rotary_sin, alibi_slopes, cache_leftpad)
 
 
 def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scale, window_size_left, sink_logits,
                 num_sink_tokens, num_splits, return_lse, out, k_scale, v_scale, plan, check_lengths, k_new=None,
                 v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False, alibi_slopes=None,
-                cache_capacity=None):
+                cache_capacity=None, cache_leftpad=None):
     """Everything ``decode_attention`` does that depends only on the call's signature: validation, the
     plan (tiles, warps, splits), the kernel and its compile, placeholders, workspace sizes.
 
     Returns ``run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits,
-    k_scale, v_scale, out, k_new, v_new, rotary_cos, rotary_sin, alibi_slopes)``,
+    k_scale, v_scale, out, k_new, v_new, rotary_cos, rotary_sin, alibi_slopes, cache_leftpad)``,
     which allocates the outputs and workspace and launches.
     """
     import torch
@@ -1521,16 +1542,16 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
         num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
         k_scale=k_scale, v_scale=v_scale, stage=STAGE, max_token_stride=MAX_TOKEN_STRIDE, k_new=k_new,
         v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        alibi_slopes=alibi_slopes, cache_capacity=cache_capacity,
+        alibi_slopes=alibi_slopes, cache_capacity=cache_capacity, cache_leftpad=cache_leftpad,
     )
     group_size = shape.heads_q // shape.heads_kv
     check_plan(plan, group_size, shape.head_dim)
     if check_lengths:  # values before devices, so that a CPU test reaches them (decode_attention checks again)
-        validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale)
+        validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale, cache_leftpad)
     validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                             block_table=block_table, sink_logits=sink_logits, k_scale=k_scale, v_scale=v_scale,
                             out=out, k_new=k_new, v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                            alibi_slopes=alibi_slopes)
+                            alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad)
     device = q.device
     cache_dtype = str(k_cache.dtype).removeprefix("torch.")
     max_keys = shape.capacity if window_size_left < 0 else min(shape.capacity, window_size_left + 1 + num_sink_tokens)
@@ -1542,11 +1563,12 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim,
                           block_table is not None, cache_dtype, sink_logits is not None,
                           bool(return_lse), plan.row_tiles, plan.warps, shape.appends, rotary,
-                          alibi_slopes is not None, shape.rolling > 0)
+                          alibi_slopes is not None, shape.rolling > 0, cache_leftpad is not None)
     kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
     no_scale, no_lse = launch.placeholder(device, (1,)), launch.placeholder(device, (1, 1))
     no_table = launch.placeholder(device, (1, 1), torch.int32)
+    no_leftpad = launch.placeholder(device, (1,), torch.int32)
     no_row = launch.placeholder(device, (1, 1, shape.head_dim), q.dtype)        # k_new, v_new
     no_angles = launch.placeholder(device, (1, ROTARY_CHUNK), q.dtype)          # rotary_cos, rotary_sin
     scalar_scales = k_scale is not None and k_scale.dim() == 0, v_scale is not None and v_scale.dim() == 0
@@ -1557,7 +1579,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     num_counters = shape.batch * kv_ctas * (split_groups(plan.num_splits) + 1)
 
     def run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out, k_new=None,
-            v_new=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None):
+            v_new=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None, cache_leftpad=None):
         if out is None:
             out = q.new_empty(q.shape)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if return_lse else no_lse
@@ -1569,7 +1591,8 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
                out, lse, part_o, part_lse, launch.decode_counters(device, num_counters),
                no_row if k_new is None else k_new, no_row if v_new is None else v_new,
                no_angles if rotary_cos is None else rotary_cos, no_angles if rotary_sin is None else rotary_sin,
-               no_scale if alibi_slopes is None else alibi_slopes, scale_log2,
+               no_scale if alibi_slopes is None else alibi_slopes,
+               no_leftpad if cache_leftpad is None else cache_leftpad, scale_log2,
                window_size_left, num_sink_tokens, plan.num_splits, shape.rolling)
         return (out, lse) if return_lse else out
 

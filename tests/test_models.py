@@ -27,6 +27,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's compiled code starts empty: each test compiles transformers' forward for its own model, and
+    the graphs of earlier tests' models would count against the recompile limit of the same code."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def backed_by():
     """``backed_by(**setting)`` switches what backs the ops for one test; the setting is restored after it."""
     before = ops.backing()
@@ -272,7 +281,7 @@ def test_quantized_cache_takes_fp8_and_int8_only():
         models.quantized_cache(models.random_model(cpu_config("llama")), torch.float16)
 
 
-def test_quantized_cache_traces_in_one_graph(backed_by):
+def test_quantized_cache_traces_in_one_graph(backed_by, fresh_dynamo):
     """Dynamo traces a decode step over a static quantized cache without a graph break (the layer's checks
     and the backend's scales are Python it resolves while tracing), with the eager steps' logits."""
     backed_by(impl="reference")
@@ -315,7 +324,7 @@ def test_quantized_caches_take_turns_and_belong_to_their_model(backed_by):
 
 
 @pytest.mark.parametrize("family", ["gpt-oss", "llama"])
-def test_torch_compile_fullgraph_of_a_model(backed_by, family):
+def test_torch_compile_fullgraph_of_a_model(backed_by, fresh_dynamo, family):
     """Dynamo traces the whole model through the ops' fake implementations, without a graph break."""
     backed_by(impl="reference")
     config = cpu_config(family)
@@ -408,12 +417,52 @@ def test_generate_a_left_padded_batch_over_a_static_cache(backed_by, family, cac
     assert torch.equal(static, dynamic), f"{family}: generate over a static cache chose other tokens for a padded batch"
 
 
-def test_padded_batch_raises_under_torch_compile(small_gpt_oss):
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_padded_prompts_under_torch_compile(backed_by, fresh_dynamo, family):
+    """A forward traced in one graph (fullgraph) with a padded mask, which it cannot read: left and right
+    padding run row by row (``PaddedBatch.row_sequences``) and give the eager forward's logits, which
+    packs the real tokens, at every position, padding included."""
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    ids = token_ids(config, 3, 30, "cpu")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for left in (True, False):
+        mask = padded_mask(ids, (0, 7, 29), left=left)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids, attention_mask=mask).logits,
+                                       model(ids, attention_mask=mask).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("padding", [None, (0, 7, 19)], ids=["equal-lengths", "left-padded"])
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_generate_under_torch_compile(backed_by, fresh_dynamo, family, padding):
+    """``generate`` over a static cache compiles its decode step in one graph (fullgraph), the masks made
+    before it: a left-padded batch's steps read the cache in place, the padding skipped (stage 9's
+    ``cache_leftpad``); the tokens are the eager generation's."""
+    from transformers import CompileConfig
+
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    ids = token_ids(config, 3, 30, "cpu")
+    compile_config = CompileConfig(backend="aot_eager", fullgraph=True)
+    compile_config._compile_all_devices = True  # generate compiles on accelerators only, unless told
+    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    if padding is not None:
+        options["attention_mask"] = padded_mask(ids, padding)
+    with torch.no_grad():
+        eager = model.generate(ids, **options, disable_compile=True)
+        compiled = model.generate(ids, **options, compile_config=compile_config)
+    assert torch.equal(compiled, eager), f"{family}: the compiled decode steps chose other tokens"
+
+
+def test_padding_with_a_gap_raises_under_torch_compile(small_gpt_oss, fresh_dynamo):
     model, ids = small_gpt_oss
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0
+    mask[1, 5:8] = 0  # real tokens on both sides: two runs in one row
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # traced: an assertion in the graph
-    with pytest.raises(RuntimeError, match="does not support padded batches under torch.compile"), torch.no_grad():
+    with pytest.raises(RuntimeError, match="real tokens are one run per row"), torch.no_grad():
         compiled(ids, attention_mask=mask)
 
 
@@ -588,7 +637,7 @@ def test_generate_with_a_left_padded_batch(kernels, family):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["gpt-oss", "llama"])
-def test_torch_compile_on_gpu_gives_the_same_logits(kernels, family):
+def test_torch_compile_on_gpu_gives_the_same_logits(kernels, fresh_dynamo, family):
     config = gpu_config(family)
     reference = build(config, "cuda")
     ids = token_ids(config, 2, 300, "cuda")
@@ -687,18 +736,22 @@ def test_a_near_tie_may_break_either_way_and_nothing_else():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padding", [None, (0, 37)], ids=["equal-lengths", "left-padded"])
 @pytest.mark.parametrize("family", ["gpt-oss", "llama"])
-def test_generate_with_a_static_cache_and_torch_compile(kernels, family):
+def test_generate_with_a_static_cache_and_torch_compile(kernels, fresh_dynamo, family, padding):
     """transformers' static cache makes ``generate`` compile the decode step with CUDA-graph trees, whose
     pools must hold no memory a graph output does not own (the decode counters and placeholders are
     allocated outside them): a second compiled generation, the graphs replayed, gives the first one's
     tokens exactly, and both are the eager generation's, but for a near-tie that inductor's rounding of
-    the rest of the model (not the attention: the same kernels run) may break the other way."""
+    the rest of the model (not the attention: the same kernels run) may break the other way. A
+    left-padded batch decodes in the same graphs (``cache_leftpad``)."""
     config = gpu_config(family)
     model = models.in_dtype(build(config, "cuda"), torch.float16, "course")
     ids = token_ids(config, 2, 100, "cuda")
     options = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static",
                    pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    if padding is not None:
+        options["attention_mask"] = padded_mask(ids, padding)
     with torch.no_grad():
         eager = model.generate(ids, **options, disable_compile=True)
         compiled = model.generate(ids, **options)
@@ -719,7 +772,7 @@ def test_quantized_cache_on_gpu(kernels, family, cache_dtype, max_cache_len):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["gpt-oss", "llama"])
-def test_quantized_cache_under_cuda_graphs_and_torch_compile(kernels, family):
+def test_quantized_cache_under_cuda_graphs_and_torch_compile(kernels, fresh_dynamo, family):
     """A static FP8 cache: a replayed CUDA graph of the decode step gives the eager steps' logits, and ``generate``
     compiled over it (transformers compiles the step for a static cache) the tokens of the eager generation."""
     config = gpu_config(family)

@@ -217,6 +217,29 @@ BAD_INPUTS = {
     "rolling-lengths-past-capacity-reach-the-device-check": (
         lambda: replaced(cpu_inputs(), cache_seqlens=torch.tensor([500, 7], dtype=torch.int32)),
         {"cache_capacity": 8, "window_size_left": 5, "check_lengths": True}, ValueError, "CUDA"),
+    "leftpad-dtype": (lambda: cpu_inputs(), {"cache_leftpad": torch.zeros(2, dtype=torch.int64)}, TypeError,
+                      r"cache_leftpad has dtype torch.int64; expected torch.int32 \(\[batch\] int32\)"),
+    "leftpad-shape": (lambda: cpu_inputs(), {"cache_leftpad": torch.zeros(3, dtype=torch.int32)}, ValueError,
+                      r"cache_leftpad has 3 entries; expected one per sequence \(2\)"),
+    "leftpad-with-rolling": (lambda: cpu_inputs(), {"cache_leftpad": torch.zeros(2, dtype=torch.int32),
+                                                    "cache_capacity": 8, "window_size_left": 3},
+                             ValueError, "do not go together"),
+    "leftpad-past-the-length": (lambda: cpu_inputs(), {"cache_leftpad": torch.tensor([2, 10], dtype=torch.int32),
+                                                       "check_lengths": True},
+                                ValueError, r"cache_leftpad\[1\] = 10 is outside the sequence's rows 0 .. "
+                                            r"cache_seqlens\[1\] = 9"),
+    "leftpad-negative": (lambda: cpu_inputs(), {"cache_leftpad": torch.tensor([-1, 0], dtype=torch.int32),
+                                                "check_lengths": True}, ValueError, r"cache_leftpad\[0\] = -1"),
+    "leftpad-rotary-position-past-the-table": (
+        lambda: append_cpu_inputs(), {"cache_leftpad": torch.tensor([0, 2], dtype=torch.int32),
+                                      "rotary_cos": torch.ones(7, 32, dtype=torch.float16),
+                                      "rotary_sin": torch.ones(7, 32, dtype=torch.float16), "check_lengths": True},
+        ValueError, r"cache_seqlens\[1\] - cache_leftpad\[1\] = 7 is the new token's position"),
+    "leftpad-valid-reaches-the-device-check": (
+        lambda: append_cpu_inputs(), {"cache_leftpad": torch.tensor([0, 2], dtype=torch.int32),
+                                      "rotary_cos": torch.ones(8, 32, dtype=torch.float16),
+                                      "rotary_sin": torch.ones(8, 32, dtype=torch.float16), "check_lengths": True},
+        ValueError, "CUDA"),
 }
 
 
@@ -285,6 +308,7 @@ def test_compile_matrix_covers_every_option(solution):
         assert {(c.has_sink, c.write_lse) for c in here} == {(a, b) for a in (0, 1) for b in (0, 1)}
         assert {c.rotary for c in here if c.appends} == set(solution.ROTARY), f"D={d}: every RoPE variant"
         assert any(c.alibi for c in here) and any(c.rolling for c in here), f"D={d}: ALiBi and a rolling cache"
+        assert any(c.leftpad and c.appends for c in here), f"D={d}: left padding (with an append)"
         for cache in ("16-bit", *solution.QUANTIZED):  # each quantized cache writes its appended rows itself
             assert any(c.appends for c in here if (c.cache_dtype in solution.QUANTIZED) == (cache != "16-bit")
                        and (cache == "16-bit" or c.cache_dtype == cache)), f"D={d}: an append to a {cache} cache"
@@ -648,6 +672,88 @@ ROLLING_CASES = {  # name: (capacity, window, sink tokens, layout)
     "ring-of-1000-paged": (1000, 999, 0, "paged64"),
     "window-smaller-than-ring": (300, 17, 2, "contiguous"),
 }
+
+
+def poison_padding(inputs, padding):
+    """Each sequence's padding rows (the first ``padding[b]``) NaN (an int8 cache: its largest value): a
+    kernel that reads one is wrong."""
+    page_size = inputs["k_cache"].shape[1] if inputs.get("block_table") is not None else None
+    for cache in (inputs["k_cache"], inputs["v_cache"]):
+        bad = 127 if cache.dtype == torch.int8 else float("nan")
+        for b, n in enumerate(padding):
+            if page_size is None:
+                cache[b, :n] = bad
+            for p in range(-(-n // page_size) if page_size else 0):
+                cache[int(inputs["block_table"][b, p]), :min(page_size, n - p * page_size)] = bad
+    return inputs
+
+
+def test_left_padding_is_the_sequence_moved_to_row_0():
+    """The reference's cache_leftpad (float64, CPU): sequence b read from rows cache_leftpad[b] .. gives what
+    the same tokens give from row 0, with a window, sink tokens and logits, ALiBi and an appended,
+    rotated token (its RoPE position counts from the first real row)."""
+    lengths, padding = [3, 40, 70], [0, 25, 9]
+    gen = torch.Generator().manual_seed(0)
+    q, k_new, v_new = (torch.randn(3, h, 64, generator=gen, dtype=torch.float64) for h in (8, 2, 2))
+    k_cache, v_cache = (torch.randn(3, 90, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    cos, sin = testing.rotary_tables(100, 64, torch.float64, device="cpu")
+    features = dict(window_size_left=20, num_sink_tokens=2, sink_logits=torch.randn(8, generator=gen),
+                    alibi_slopes=testing.alibi_slopes(8, device="cpu"), k_new=k_new, v_new=v_new,
+                    rotary_cos=cos, rotary_sin=sin)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    padded, padded_lse = testing.reference.decode_attention(
+        q, k_cache, v_cache, seqlens, cache_leftpad=torch.tensor(padding, dtype=torch.int32), return_lse=True,
+        **features)
+    moved = [torch.stack([torch.roll(c[b], -n, dims=0) for b, n in enumerate(padding)]) for c in (k_cache, v_cache)]
+    expected, expected_lse = testing.reference.decode_attention(
+        q, *moved, seqlens - torch.tensor(padding, dtype=torch.int32), return_lse=True, **features)
+    torch.testing.assert_close(padded, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(padded_lse, expected_lse, rtol=0, atol=1e-6)
+
+
+LEFTPAD_CASES = {  # name: (H_q, H_kv, layout, cache, features)
+    "gqa-contiguous": (32, 8, "contiguous", "16-bit", {}),
+    "mqa-paged16-window-sinks": (16, 1, "paged16", "fp8", {"window_size_left": 90, "num_sink_tokens": 3}),
+    "gqa-paged64-alibi-sink-logits": (64, 8, "paged64", "int8", {"alibi": True, "sink_logits": True}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [None, "tiles", "warps8"], ids=["auto", "most-tiles", "warps8"])
+@pytest.mark.parametrize("heads_q, heads_kv, layout, cache, features", LEFTPAD_CASES.values(),
+                         ids=LEFTPAD_CASES.keys())
+def test_left_padded_sequences(stage, heads_q, heads_kv, layout, cache, features, variant):
+    """cache_leftpad: each sequence's rows start after its padding (NaN, never read); no padding, a
+    padding of all but one row, and paddings across page boundaries; split several ways; then one
+    appended, rotated token (RoPE at its position in the sequence, not in the cache)."""
+    lengths, padding = [1, 40, 300, 5000, 20000, 64], [0, 39, 17, 4000, 3, 64]
+    inputs = testing.random_decode_inputs(lengths, heads_q, heads_kv, 128, torch.bfloat16,
+                                          page_size=LAYOUTS[layout], seed=heads_q)
+    inputs, scales = quantized(inputs, cache)
+    poison_padding(inputs, padding)
+    options = {name: value for name, value in features.items() if name not in ("alibi", "sink_logits")}
+    if features.get("alibi"):
+        options["alibi_slopes"] = testing.alibi_slopes(heads_q)
+    if features.get("sink_logits"):
+        options["sink_logits"] = torch.randn(heads_q, device="cuda")
+    options.update(cache_leftpad=torch.tensor(padding, dtype=torch.int32, device="cuda"), **scales)
+    plan = variant_plan(stage, variant, heads_q, heads_kv)
+    where = f"left padding H_q={heads_q} H_kv={heads_kv} {layout} {cache} {features} {variant}"
+    for num_splits in (1, 7, 0):
+        out, lse = stage.decode_attention(**inputs, **options, num_splits=num_splits, return_lse=True, plan=plan,
+                                          out=testing.poisoned_like(inputs["q"]))
+        testing.assert_decode_matches(out, inputs, f"{where} num_splits={num_splits}", lse=lse, **options)
+    cached = [n - 1 for n in lengths]
+    appended = testing.append_decode_inputs(cached, heads_q, heads_kv, 128, torch.bfloat16,
+                                            page_size=LAYOUTS[layout], seed=heads_q + 1)
+    new = {name: appended.pop(name) for name in ("k_new", "v_new")}
+    appended, scales = quantized(appended, cache)
+    padding = [min(p, n) for p, n in zip(padding, cached)]
+    poison_padding(appended, padding)
+    options["cache_leftpad"] = torch.tensor(padding, dtype=torch.int32, device="cuda")
+    cos, sin = testing.rotary_tables(max(lengths), 128, torch.bfloat16)
+    append_step(stage, appended, {**options, **scales, **new, "rotary_cos": cos, "rotary_sin": sin},
+                f"{where} + append", num_splits=3, plan=plan)
 
 
 @pytest.mark.gpu

@@ -27,17 +27,21 @@ the cache returns is real (DynamicCache), or the number of real keys per
 sequence when the cache has free slots (StaticCache).
 
 Padded batches (an attention mask with zeros, left or right padding, e.g.
-``generate`` on prompts of different lengths) run in eager mode on
-``course::attention_varlen`` (stage 10): the mask says which keys are real
-(``PaddedBatch``), the real queries and keys are packed, and the output is
-scattered back, zeros at the padding. Packed sequences (several in one row,
-with transformers' ``cu_seq_lens_q``/``cu_seq_lens_k``, as
+``generate`` on prompts of different lengths): the mask says which keys are
+real (``PaddedBatch``). Where each row's real tokens are one run (left or
+right padding), a decode step reads the cache in place, the padding before
+the run skipped (stage 9's ``cache_leftpad``), and so does a prompt under
+torch.compile or CUDA-graph capture: ``course::attention_varlen`` (stage 10)
+over the rows as they are, one sequence per row's run. Otherwise (eagerly) the
+real queries and keys are packed for ``course::attention_varlen`` and the
+output is scattered back; padded positions get zeros either way. Packed
+sequences (several in one row, with transformers' ``cu_seq_lens_q``/``cu_seq_lens_k``, as
 ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them) go
 to the same op directly.
 
-What the backend cannot do raises instead of giving a wrong answer: padded
-batches under torch.compile or CUDA-graph capture (an assertion in the graph),
-any other mask than causal or sliding-window (custom 4D masks, bidirectional
+What the backend cannot do raises instead of giving a wrong answer: padding
+that is not one run per row under torch.compile or CUDA-graph capture (an
+assertion in the graph), any other mask than causal or sliding-window (custom 4D masks, bidirectional
 blocks, packed sequences without ``cu_seq_lens_q``/``cu_seq_lens_k``), dropout, returning
 attention weights, soft-capping, non-causal attention, and a backward pass through a padded or
 packed batch (equal-length batches train: ``course::attention`` has stage 11's backward).
@@ -81,11 +85,30 @@ OTHER_BACKENDS = "use attn_implementation='eager' or 'sdpa' for it"
 @dataclass(frozen=True)
 class PaddedBatch:
     """The backend's mask for a batch with padding: which keys the cache returns are real tokens
-    (``real_keys`` bool [B, kv_length]), and the key index of the forward's first query."""
+    (``real_keys`` bool [B, kv_length]), and the key index of the forward's first query.
+
+    Where each row's real keys are one run, rows ``first_key`` .. ``key_end`` - 1
+    (left padding, right padding, a static cache's free slots: ``one_run``),
+    the kernels take the rows as they are: decode skips the padding with
+    ``cache_leftpad``, prefill under torch.compile runs ``attention_varlen``
+    row by row (``row_sequences``). Other masks are packed (``packing``), eagerly.
+    """
 
     real_keys: torch.Tensor
-    first_query: int
+    first_query: int | torch.Tensor  # a tensor with a static cache (its length stays on the GPU)
+    first_key: torch.Tensor   # int32 [B]: each row's first real key (0 in a row without one)
+    key_end: torch.Tensor     # int32 [B]: one past its last real key (0 in a row without one)
+    one_run: torch.Tensor     # bool [B]: its real keys are the rows first_key .. key_end - 1, no gap
     _packings: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, real_keys: torch.Tensor, first_query: int | torch.Tensor) -> PaddedBatch:
+        """The mask of ``real_keys`` with each row's run found (a few tensor ops, no host read)."""
+        found = real_keys.any(1)
+        first = real_keys.int().argmax(1)  # argmax gives the first of equal maxima
+        end = real_keys.shape[1] - real_keys.flip(1).int().argmax(1)
+        first, end = (torch.where(found, i, 0).to(torch.int32) for i in (first, end))
+        return cls(real_keys, first_query, first, end, real_keys.sum(1) == end - first)
 
     # ``generate`` with a static cache makes the masks before the forward (``.contiguous()`` on each) and hands
     # them to the model, whose mask creation passes a made mask on as it does transformers' 4-D ones.
@@ -94,11 +117,55 @@ class PaddedBatch:
     def contiguous(self) -> PaddedBatch:
         return self
 
+    def rows_are_runs(self) -> bool:
+        """Whether every row's real keys are one run. Eagerly, read once per forward (a host read);
+        under torch.compile or CUDA-graph capture assumed, with an assertion in the graph."""
+        if is_tracing(self.real_keys):
+            torch._assert_async(self.one_run.all(), "the course backend under torch.compile or CUDA-graph capture "
+                                                    "takes padded batches whose real tokens are one run per row "
+                                                    f"(left or right padding); run others eagerly, or {OTHER_BACKENDS}")
+            return True
+        if "runs" not in self._packings:
+            self._packings["runs"] = bool(self.one_run.all())
+        return self._packings["runs"]
+
+    def real_queries(self, q_length: int) -> torch.Tensor:
+        """Bool [B, q_length]: which of the forward's queries are real tokens."""
+        if isinstance(self.first_query, int):
+            return self.real_keys[:, self.first_query:self.first_query + q_length]
+        return self.real_keys.index_select(1, self.first_query + torch.arange(q_length, device=self.real_keys.device))
+
+    def decode_lengths(self) -> torch.Tensor:
+        """The decode kernel's cache_seqlens: each row's key_end, 0 where the query is padding (its
+        output is then 0, as the packed path leaves it)."""
+        return torch.where(self.real_queries(1)[:, 0], self.key_end, 0).to(torch.int32)
+
+    def row_sequences(self, q_length: int) -> RowSequences:
+        """The batch as ``attention_varlen`` sequences over its rows flattened ([B * S, H, D]), nothing
+        packed: sequence 2b + 1 is row b's real queries against its run of keys (``cu_seqlens_k`` at
+        b S_k + first_key, ``seqused_k`` the run's length), causal, each sequence's last query on its
+        last key; sequences 2b (and 2B) are the padding between real queries, against no key, so their
+        rows get 0 as the packed path leaves them."""
+        batch, kv_length = self.real_keys.shape
+        real_q = self.real_queries(q_length)
+        has_query = real_q.any(1)
+        q_start = torch.where(has_query, real_q.int().argmax(1), 0)
+        q_end = torch.where(has_query, q_length - real_q.flip(1).int().argmax(1), 0)
+        rows = torch.arange(batch, device=self.real_keys.device)
+        bounds = torch.stack([rows * q_length + q_start, rows * q_length + q_end], 1).flatten()
+        cu_seqlens_q = torch.cat([bounds.new_zeros(1), bounds, bounds.new_full((1,), batch * q_length)])
+        run_start = (rows * kv_length + self.first_key).repeat_interleave(2)
+        cu_seqlens_k = torch.cat([run_start, run_start.new_full((2,), batch * kv_length)])
+        run = torch.where(has_query, self.key_end - self.first_key, 0)
+        seqused_k = torch.stack([torch.zeros_like(run), run], 1).flatten()
+        return RowSequences(*(t.to(torch.int32) for t in (cu_seqlens_q, cu_seqlens_k,
+                                                          torch.cat([seqused_k, seqused_k.new_zeros(1)]))))
+
     def packing(self, q_length: int) -> Packing:
         """Where the real queries and keys of every layer of this forward are: made once (one host read of
         their counts), then every layer packs and scatters with index copies that wait for nothing."""
         if q_length not in self._packings:
-            real_q = self.real_keys[:, self.first_query:self.first_query + q_length]
+            real_q = self.real_queries(q_length)
             offsets = [torch.nn.functional.pad(m.sum(1).cumsum(0), (1, 0)).to(torch.int32)
                        for m in (real_q, self.real_keys)]
             rows = [m.flatten().nonzero().squeeze(1) for m in (real_q, self.real_keys)]
@@ -116,6 +183,15 @@ class Packing:
     cu_seqlens_k: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RowSequences:
+    """``attention_varlen``'s offsets for a padded batch's rows taken as they are (``row_sequences``)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqused_k: torch.Tensor
+
+
 PACKED_ROWS = "packed rows"  # the mask of several sequences in one row: the layer needs cu_seq_lens_q/k
 
 
@@ -123,7 +199,7 @@ def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                        allow_is_causal_skip=True, use_vmap=False, device=None, **kwargs):
     """The backend's "mask": the number of real keys per sequence (int32 [B]), which is the decode
     kernel's ``cache_seqlens``, or None for a prompt whose keys are all real; a ``PaddedBatch`` when the
-    attention mask has padding (eager mode).
+    attention mask has padding (or, under torch.compile, may have).
 
     transformers calls it once per forward and mask type (full, sliding) with
     the cache's sizes: ``q_offset`` tokens were cached before this forward, and
@@ -132,7 +208,7 @@ def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     GPU, so a CUDA graph of a decode step replays with the right lengths). A
     decode step always gets the counts, made here once for every layer.
     """
-    if isinstance(attention_mask, PaddedBatch):  # made ahead by generate for this forward
+    if isinstance(attention_mask, PaddedBatch) or is_key_counts(attention_mask):  # made ahead by generate
         return attention_mask
     if packed_rows(q_length, allow_is_causal_skip, use_vmap):
         return PACKED_ROWS
@@ -148,13 +224,20 @@ def visible_key_counts(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
 # --8<-- [end:mask]
 
 
+def is_key_counts(attention_mask) -> bool:
+    """Whether the mask is this backend's own counts (int32 [B]), which ``generate`` made before the forward
+    and hands back, rather than transformers' 2D mask."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1 and attention_mask.dtype == torch.int32
+
+
 def padded_batch(attention_mask, q_offset, kv_offset, kv_length) -> PaddedBatch:
     """The 2D mask [B, tokens seen] cut to the keys the cache returns (tokens kv_offset onwards; a
     StaticCache's free slots past the seen tokens are not real)."""
     real = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
     if real.shape[1] < kv_length:
         real = torch.nn.functional.pad(real, (0, kv_length - real.shape[1]), value=False)
-    return PaddedBatch(real, int(q_offset) - kv_offset)
+    first_query = q_offset - kv_offset  # a static cache's tensor stays one: reading it would wait for the GPU
+    return PaddedBatch.of(real, first_query)
 
 
 def packed_rows(q_length, allow_is_causal_skip, use_vmap) -> bool:
@@ -167,13 +250,11 @@ def packed_rows(q_length, allow_is_causal_skip, use_vmap) -> bool:
 
 def has_padding(attention_mask) -> bool:
     """Whether the 2D mask has a zero. Under torch.compile or CUDA-graph capture the answer would need a
-    host read: padding is refused there with an assertion in the graph instead."""
+    host read: there a mask is taken as padded (a ``PaddedBatch`` of real rows runs as fast)."""
     if attention_mask is None:
         return False
     if is_tracing(attention_mask):
-        torch._assert_async(attention_mask.all(), "the course backend does not support padded batches under "
-                                                  f"torch.compile or CUDA-graph capture; run it eagerly, or {OTHER_BACKENDS}")
-        return False
+        return True
     return not bool(attention_mask.all())
 
 
@@ -210,7 +291,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                     window_size_left=window_left(sliding_window))
     if k.dtype in kv_cache.QUANTIZED_DTYPES:  # a quantized_cache: the decode kernel reads it, the rest dequantized
         k_scale, v_scale = quantized_scales(module, key)
-        if q.shape[1] == 1 and not isinstance(attention_mask, PaddedBatch):
+        if q.shape[1] == 1 and (not isinstance(attention_mask, PaddedBatch) or attention_mask.rows_are_runs()):
             return decode(q[:, 0], k, v, attention_mask, k_scale=k_scale, v_scale=v_scale, **features).unsqueeze(1), None
         k, v = kv_cache.dequantize(k, k_scale, q.dtype), kv_cache.dequantize(v, v_scale, q.dtype)
     if kwargs.get("cu_seq_lens_q") is not None:
@@ -228,7 +309,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def decode(q, k, v, key_counts, **features):
     """One query token per sequence against the cache: ``course::decode_attention``. ``key_counts``: the
-    real keys per sequence (``visible_key_counts``); None (a caller without transformers' mask): all."""
+    real keys per sequence (``visible_key_counts``), or a ``PaddedBatch`` whose rows are runs (the
+    padding before each run skipped with ``cache_leftpad``); None (a caller without transformers'
+    mask): all."""
+    if isinstance(key_counts, PaddedBatch):
+        features["cache_leftpad"] = key_counts.first_key
+        key_counts = key_counts.decode_lengths()
     if key_counts is None:
         key_counts = torch.full((q.shape[0],), k.shape[1], dtype=torch.int32, device=q.device)
     decode_attention = ops.decode_attention if eager_inference(q, k, v) else torch.ops.course.decode_attention
@@ -259,13 +345,26 @@ def eager_inference(*tensors) -> bool:
 
 
 def padded(q, k, v, batch: PaddedBatch, *, window_size_left, **features):
-    """A batch with padding: its real queries and keys packed, ``course::attention_varlen`` (causal, each
-    sequence's last query on its last key), and the output scattered back, zeros at the padding."""
+    """A batch with padding. Rows that are runs of real tokens: a decode step reads the cache in place
+    (``decode``); a prompt under torch.compile runs row by row (``row_sequences``), where packing would
+    give data-dependent shapes. Otherwise (eagerly) the real queries and keys packed,
+    ``course::attention_varlen`` (causal, each sequence's last query on its last key), and the output
+    scattered back, zeros at the padding."""
+    attention_varlen = ops.attention_varlen if eager_inference(q, k, v) else torch.ops.course.attention_varlen
+    if batch.rows_are_runs():
+        if q.shape[1] == 1:
+            return decode(q[:, 0], k, v, batch, window_size_left=window_size_left, **features).unsqueeze(1)
+        if is_tracing(q):
+            rows = batch.row_sequences(q.shape[1])
+            out = attention_varlen(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), rows.cu_seqlens_q,
+                                   rows.cu_seqlens_k, 2 * q.shape[1], k.shape[1], seqused_k=rows.seqused_k,
+                                   causal=True, window_size_left=window_size_left, **features)
+            return out.view(*q.shape[:2], *out.shape[1:])
     where = batch.packing(q.shape[1])
+
     def pack(t, rows):
         return t.reshape(-1, *t.shape[2:]).index_select(0, rows)
 
-    attention_varlen = ops.attention_varlen if eager_inference(q, k, v) else torch.ops.course.attention_varlen
     out = attention_varlen(pack(q, where.q_rows), pack(k, where.k_rows), pack(v, where.k_rows), where.cu_seqlens_q,
                            where.cu_seqlens_k, q.shape[1], where.k_rows.numel(), causal=True,
                            window_size_left=window_size_left, **features)

@@ -122,7 +122,7 @@ def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_tabl
                                check_lengths=None, k_scale=None, v_scale=None, **extras):
     """course.testing.reference.decode_attention on inputs the decode kernel accepts; O in q's dtype.
     ``extras``: stage 9's serving extras (``k_new``, ``v_new``, ``rotary_cos``, ``rotary_sin``,
-    ``rotary_interleaved``, ``alibi_slopes``, ``cache_capacity``); with ``k_new`` the caches get the new rows,
+    ``rotary_interleaved``, ``alibi_slopes``, ``cache_capacity``, ``cache_leftpad``); with ``k_new`` the caches get the new rows,
     in place, as the kernel writes them.
 
     The lengths (and scales) are on the host anyway: they are checked unless ``check_lengths=False``.
@@ -133,7 +133,8 @@ def reference_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_tabl
                                            num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
                                            stage=_backing.decode, **extras)
     if check_lengths is not False:
-        validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale)
+        validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale,
+                                       extras.get("cache_leftpad"))
     out = reference.decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=block_table,
                                      softmax_scale=softmax_scale, window_size_left=window_size_left,
                                      sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, k_scale=k_scale,
@@ -319,7 +320,8 @@ torch.library.register_autograd("course::attention", _attention_grads, setup_con
 
 _DECODE_OPTIONS = ("Tensor? block_table=None, Tensor? sink_logits=None, float? softmax_scale=None, "
                    "int window_size_left=-1, int num_sink_tokens=0, int num_splits=0, bool? check_lengths=None, "
-                   "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? alibi_slopes=None, int? cache_capacity=None")
+                   "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? alibi_slopes=None, int? cache_capacity=None, "
+                   "Tensor? cache_leftpad=None")
 _LIBRARY.define("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
                 f"{_DECODE_OPTIONS}) -> Tensor")
 # The same step with the new token written to the cache: the caches are mutated (a!, b!), so that
@@ -346,32 +348,33 @@ def _decode(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scale, w
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None, softmax_scale=None,
                      window_size_left=-1, num_sink_tokens=0, num_splits=0, check_lengths=None, k_scale=None,
-                     v_scale=None, alibi_slopes=None, cache_capacity=None):
+                     v_scale=None, alibi_slopes=None, cache_capacity=None, cache_leftpad=None):
     """Decode attention (docs/contract.md): one query token per sequence, O [B, H_q, D].
 
     ``check_lengths``: as the stage's ``decode_attention`` (``None``: only
     with ``COURSE_CHECK_LENGTHS=1``, as reading the lengths on the host waits
     for the GPU). A quantized (FP8 or int8) cache comes with ``k_scale`` and
-    ``v_scale``; ``alibi_slopes`` and a rolling cache (``cache_capacity``) as
-    stage 9 takes them.
+    ``v_scale``; ``alibi_slopes``, a rolling cache (``cache_capacity``) and
+    left-padded sequences (``cache_leftpad``) as stage 9 takes them.
     """
     return _decode(q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
                    window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
                    num_splits=num_splits, check_lengths=check_lengths, k_scale=k_scale, v_scale=v_scale,
-                   alibi_slopes=alibi_slopes, cache_capacity=cache_capacity)
+                   alibi_slopes=alibi_slopes, cache_capacity=cache_capacity, cache_leftpad=cache_leftpad)
 
 
 @torch.library.register_fake("course::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None,
                            softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
-                           check_lengths=None, k_scale=None, v_scale=None, alibi_slopes=None, cache_capacity=None):
+                           check_lengths=None, k_scale=None, v_scale=None, alibi_slopes=None, cache_capacity=None,
+                           cache_leftpad=None):
     return q.new_empty(q.shape)
 
 
 def decode_attention_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, rotary_cos=None, rotary_sin=None,
                             rotary_interleaved=False, block_table=None, sink_logits=None, softmax_scale=None,
                             window_size_left=-1, num_sink_tokens=0, num_splits=0, check_lengths=None, k_scale=None,
-                            v_scale=None, alibi_slopes=None, cache_capacity=None):
+                            v_scale=None, alibi_slopes=None, cache_capacity=None, cache_leftpad=None):
     """One decode step that appends its token (docs/contract.md, the serving extras): k_new and v_new
     [B, H_kv, D] are written to the caches at position cache_seqlens[b] (rotated with rotary_cos/sin),
     and the query attends to the cache_seqlens[b] + 1 keys. cache_seqlens is not changed."""
@@ -379,7 +382,8 @@ def decode_attention_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, ro
                    window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
                    num_splits=num_splits, check_lengths=check_lengths, k_new=k_new, v_new=v_new,
                    rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                   k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, cache_capacity=cache_capacity)
+                   k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, cache_capacity=cache_capacity,
+                   cache_leftpad=cache_leftpad)
 
 
 @torch.library.register_fake("course::decode_attention_append")
@@ -387,7 +391,7 @@ def _decode_attention_append_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_n
                                   rotary_sin=None, rotary_interleaved=False, block_table=None, sink_logits=None,
                                   softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
                                   check_lengths=None, k_scale=None, v_scale=None, alibi_slopes=None,
-                                  cache_capacity=None):
+                                  cache_capacity=None, cache_leftpad=None):
     return q.new_empty(q.shape)
 
 

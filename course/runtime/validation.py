@@ -20,7 +20,8 @@ INT8_CACHE_DTYPE = "torch.int8"          # the int8 KV cache (stage 9), symmetri
 QUANTIZED_CACHE_DTYPES = (FP8_CACHE_DTYPE, INT8_CACHE_DTYPE)
 FP8_STAGE = (9, "tensor-core decode with an FP8 KV cache")
 # What stage 9 adds to decode besides its quantized caches: the serving step's extras.
-DECODE_EXTRAS_STAGE = (9, "tensor-core decode: fused append and RoPE, ALiBi, rolling cache, int8 cache")
+DECODE_EXTRAS_STAGE = (9, "tensor-core decode: fused append and RoPE, ALiBi, rolling cache, left padding, "
+                          "int8 cache")
 INT32_MAX = 2**31 - 1  # the kernels take window sizes, sink-token and split counts as 32-bit ints
 # The kernels multiply scores by softmax_scale * log2(e) as a float32: it must be a normal float32
 # (a zero or denormal scale turns a masked score into -inf * 0 = NaN, an infinite one every score).
@@ -370,15 +371,15 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
                         out=None, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256), k_scale=None,
                         v_scale=None, stage=7, max_token_stride=None, k_new=None, v_new=None, rotary_cos=None,
                         rotary_sin=None, rotary_interleaved=False, alibi_slopes=None,
-                        cache_capacity=None) -> DecodeInputShape:
+                        cache_capacity=None, cache_leftpad=None) -> DecodeInputShape:
     """Validate the decode API's arguments (shapes, dtypes, options); return the sizes.
 
     Only metadata is read here. The lengths themselves (values of
     cache_seqlens and block_table) are checked by ``check_decode_lengths``,
     the FP8 scales' values by ``check_kv_scale_values``. ``stage``: the
     calling stage; an FP8 or int8 cache (and its scales), the fused append
-    (``k_new``, ``v_new``, with ``rotary_cos``/``rotary_sin``), ``alibi_slopes``
-    and a rolling cache (``cache_capacity``) need stage 9.
+    (``k_new``, ``v_new``, with ``rotary_cos``/``rotary_sin``), ``alibi_slopes``,
+    a rolling cache (``cache_capacity``) and left padding (``cache_leftpad``) need stage 9.
     ``max_token_stride``: the stage's bound on the caches' token stride
     (dimension 1), in elements, if its copies step between tokens with 32-bit offsets.
     """
@@ -392,7 +393,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
         raise NotImplementedError(f"a quantized KV cache (float8_e4m3fn or int8 with k_scale, v_scale) is not "
                                   f"implemented in stage {stage}; stage {FP8_STAGE[0]} ({FP8_STAGE[1]}) adds it")
     extras = {"k_new": k_new, "v_new": v_new, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
-              "alibi_slopes": alibi_slopes, "cache_capacity": cache_capacity}
+              "alibi_slopes": alibi_slopes, "cache_capacity": cache_capacity, "cache_leftpad": cache_leftpad}
     given = [name for name, value in extras.items() if value is not None] + (["rotary_interleaved"]
                                                                              if rotary_interleaved else [])
     if given and stage < DECODE_EXTRAS_STAGE[0]:
@@ -458,6 +459,13 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     rotary_dim, rotary_positions = _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved,
                                                  heads_kv=h_kv)
     rolling = _check_rolling(cache_capacity, capacity, window_size_left, num_sink_tokens)
+    if cache_leftpad is not None:
+        _check_index_tensor("cache_leftpad", cache_leftpad, rank=1, layout="[batch] int32")
+        if cache_leftpad.shape[0] != b:
+            raise ValueError(f"cache_leftpad has {cache_leftpad.shape[0]} entries; expected one per sequence ({b})")
+        if rolling:
+            raise ValueError("cache_leftpad (left-padded sequences) and cache_capacity (a rolling cache) do not go "
+                             "together: a rolling cache's rows follow token positions from 0; pass one of them")
     return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages, k_new is not None, rotary_dim,
                             rotary_positions, rolling)
 
@@ -597,17 +605,19 @@ def check_kv_scale_values(k_scale, v_scale) -> None:
             raise ValueError(f"{name}[{h}] = {float(values[h])}; scales must be finite and > 0")
 
 
-def check_decode_values(cache_seqlens, block_table, shape: DecodeInputShape, k_scale=None, v_scale=None) -> None:
+def check_decode_values(cache_seqlens, block_table, shape: DecodeInputShape, k_scale=None, v_scale=None,
+                        cache_leftpad=None) -> None:
     """The values a decode call's tensors hold: the lengths and pages (``check_decode_lengths``) and the
     FP8 scales (``check_kv_scale_values``). Reads them on the host: a synchronization with the GPU."""
-    check_decode_lengths(cache_seqlens, block_table, shape)
+    check_decode_lengths(cache_seqlens, block_table, shape, cache_leftpad)
     check_kv_scale_values(k_scale, v_scale)
 
 
-def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) -> None:
+def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape, cache_leftpad=None) -> None:
     """The values: 0 <= cache_seqlens[b] <= capacity (one less with a fused append, which writes row
-    cache_seqlens[b]; any length in a rolling cache), a rotated position within rotary_cos, and every
-    page a sequence uses is in the pool.
+    cache_seqlens[b]; any length in a rolling cache), 0 <= cache_leftpad[b] <= cache_seqlens[b], a
+    rotated position (cache_seqlens[b] - cache_leftpad[b]) within rotary_cos, and every page a sequence
+    uses is in the pool.
 
     Reads cache_seqlens (and block_table) on the host: one device-to-host copy
     each when they live on the GPU. A length of 0 is allowed (no visible key:
@@ -629,12 +639,23 @@ def check_decode_lengths(cache_seqlens, block_table, shape: DecodeInputShape) ->
         appended = " plus the appended token" if shape.appends else ""
         raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])}{appended} is larger than the cache: at most "
                          f"{shape.capacity} keys ({where})")
+    padding = torch.zeros_like(lengths)
+    if cache_leftpad is not None:
+        padding = cache_leftpad.detach().to("cpu", torch.int64)
+        outside = ((padding < 0) | (padding > lengths)).nonzero()
+        if len(outside):
+            b = int(outside[0])
+            raise ValueError(f"cache_leftpad[{b}] = {int(padding[b])} is outside the sequence's rows 0 .. "
+                             f"cache_seqlens[{b}] = {int(lengths[b])}: it is the row of its first real token "
+                             "(the number of padding rows before it)")
     if shape.rotary_positions:
-        beyond = (lengths >= shape.rotary_positions).nonzero()
+        positions = lengths - padding
+        beyond = (positions >= shape.rotary_positions).nonzero()
         if len(beyond):
             b = int(beyond[0])
-            raise ValueError(f"cache_seqlens[{b}] = {int(lengths[b])} is the new token's position, but rotary_cos "
-                             f"and rotary_sin have {shape.rotary_positions} rows (positions 0 .. "
+            position = f"cache_seqlens[{b}]" + ("" if cache_leftpad is None else f" - cache_leftpad[{b}]")
+            raise ValueError(f"{position} = {int(positions[b])} is the new token's position, but rotary_cos and "
+                             f"rotary_sin have {shape.rotary_positions} rows (positions 0 .. "
                              f"{shape.rotary_positions - 1})")
     if block_table is not None:
         rows = keys.clamp(max=shape.rolling) if shape.rolling else keys

@@ -281,18 +281,19 @@ def rolling_decode_inputs(lengths, capacity: int, heads_q, heads_kv, head_dim, d
 
 def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                            window_size_left=-1, sink_logits=None, num_sink_tokens=0, alibi_slopes=None,
-                           cache_capacity=None):
+                           cache_capacity=None, cache_leftpad=None):
     """PyTorch's SDPA in the inputs' precision, sequence by sequence, with the decode contract's masks, sink,
-    ALiBi bias and rolling cache (no append: ``compare_decode_with_reference`` appends first)."""
+    ALiBi bias, rolling cache and left padding (no append: ``compare_decode_with_reference`` appends first)."""
     import torch.nn.functional as F
 
     h_q, h_kv = q.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    padding = reference.padding_rows(cache_leftpad, cache_seqlens).tolist()
     for b, seqlen in enumerate(cache_seqlens.tolist()):
-        visible = reference.decode_visible_keys(seqlen, window_size_left=window_size_left,
+        visible = reference.decode_visible_keys(seqlen - padding[b], window_size_left=window_size_left,
                                                 num_sink_tokens=num_sink_tokens, device=q.device)
-        positions = visible.nonzero().flatten()
+        positions = visible.nonzero().flatten() + padding[b]
         k, v = reference.decode_keys_values(k_cache, v_cache, b, positions, block_table,
                                             num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity)
         kh, vh = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]          # [1, H_kv, n, D]
@@ -326,7 +327,9 @@ def appended_decode_inputs(inputs: dict, features: dict) -> tuple[dict, dict]:
                                                  **reference.append_options(features))
     q = inputs["q"]
     if features.get("rotary_cos") is not None:
-        q = reference.rotary(q, features["rotary_cos"], features["rotary_sin"], inputs["cache_seqlens"],
+        positions = inputs["cache_seqlens"].long() - reference.padding_rows(features.get("cache_leftpad"),
+                                                                            inputs["cache_seqlens"])
+        q = reference.rotary(q, features["rotary_cos"], features["rotary_sin"], positions,
                              features.get("rotary_interleaved", False))
     return ({**inputs, "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": inputs["cache_seqlens"] + 1},
             {k: v for k, v in features.items() if k not in APPEND_FEATURES})

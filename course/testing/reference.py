@@ -198,7 +198,7 @@ def rotary(x, cos, sin, positions, interleaved: bool = False):
 
 
 APPEND_OPTIONS = ("k_new", "v_new", "rotary_cos", "rotary_sin", "rotary_interleaved", "k_scale", "v_scale",
-                  "num_sink_tokens", "cache_capacity")
+                  "num_sink_tokens", "cache_capacity", "cache_leftpad")
 
 
 def append_options(features: dict) -> dict:
@@ -208,15 +208,17 @@ def append_options(features: dict) -> dict:
 
 def append_to_cache(k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_table=None, rotary_cos=None,
                     rotary_sin=None, rotary_interleaved=False, k_scale=None, v_scale=None, num_sink_tokens=0,
-                    cache_capacity=None):
-    """Copies of the caches with each sequence's new token written at position cache_seqlens[b]: k_new
-    rotated (with rotary_cos/sin), both rounded to k_new's dtype, then quantized to the cache's dtype
-    with its scales (``kv_cache.quantize_rows``) for an FP8 or int8 cache."""
+                    cache_capacity=None, cache_leftpad=None):
+    """Copies of the caches with each sequence's new token written at row cache_seqlens[b]: k_new
+    rotated (with rotary_cos/sin) at its position, cache_seqlens[b] - cache_leftpad[b], both rounded to
+    k_new's dtype, then quantized to the cache's dtype with its scales (``kv_cache.quantize_rows``) for
+    an FP8 or int8 cache."""
     from course.runtime import kv_cache
 
     positions = cache_seqlens.to(device=k_new.device, dtype=torch.long)
     if rotary_cos is not None:
-        k_new = rotary(k_new, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        k_new = rotary(k_new, rotary_cos, rotary_sin, positions - padding_rows(cache_leftpad, positions),
+                       rotary_interleaved)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     for new, scale, cache in ((k_new, k_scale, k_cache), (v_new, v_scale, v_cache)):
         rows = new
@@ -232,10 +234,18 @@ def append_to_cache(k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_tabl
     return k_cache, v_cache
 
 
+def padding_rows(cache_leftpad, cache_seqlens) -> torch.Tensor:
+    """cache_leftpad as int64 on cache_seqlens' device (zeros when None): each sequence's padding rows."""
+    if cache_leftpad is None:
+        return torch.zeros_like(cache_seqlens, dtype=torch.long)
+    return cache_leftpad.to(device=cache_seqlens.device, dtype=torch.long)
+
+
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                      window_size_left=-1, sink_logits=None, num_sink_tokens=0, return_lse=False,
                      k_scale=None, v_scale=None, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None,
-                     rotary_interleaved=False, alibi_slopes=None, cache_capacity=None, dtype=torch.float64):
+                     rotary_interleaved=False, alibi_slopes=None, cache_capacity=None, cache_leftpad=None,
+                     dtype=torch.float64):
     """O [B, H_q, D] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D] or paged [num_pages,
@@ -246,7 +256,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     (``append_to_cache``, on copies) at position cache_seqlens[b], and q and
     k_new are rotated there with ``rotary_cos``/``rotary_sin`` (``rotary``).
     ``alibi_slopes`` [H_q]: score - slope * (query position - key position).
-    ``cache_capacity``: a rolling cache (``cache_slot``).
+    ``cache_capacity``: a rolling cache (``cache_slot``). ``cache_leftpad`` [B]:
+    sequence b is rows cache_leftpad[b] .. of its cache (the rows before are
+    padding): its token j is row cache_leftpad[b] + j.
     Sequence by sequence: the visible keys from ``decode_visible_keys``, then
     the same safe softmax as ``attention`` (sink logit in the denominator
     only). A sequence with no visible key gets O = 0 and LSE = -inf (or the
@@ -256,9 +268,10 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
         k_cache, v_cache = append_to_cache(
             k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table, rotary_cos=rotary_cos,
             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, k_scale=k_scale, v_scale=v_scale,
-            num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity)
+            num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity, cache_leftpad=cache_leftpad)
         if rotary_cos is not None:
-            q = rotary(q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved)
+            positions = cache_seqlens.long() - padding_rows(cache_leftpad, cache_seqlens)
+            q = rotary(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
         cache_seqlens = cache_seqlens + 1
     b, h_q, d = q.shape
     h_kv = k_cache.shape[2]
@@ -269,10 +282,11 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     o = torch.zeros(b, h_q, d, dtype=dtype, device=q.device)
     lse = torch.full((b, h_q), -math.inf, dtype=torch.float32, device=q.device)
     lengths = [int(n) for n in cache_seqlens.tolist()]
+    padding = padding_rows(cache_leftpad, cache_seqlens).tolist()
     for bi, seqlen in enumerate(lengths):
-        mask = decode_visible_keys(seqlen, window_size_left=window_size_left,
+        mask = decode_visible_keys(seqlen - padding[bi], window_size_left=window_size_left,
                                    num_sink_tokens=num_sink_tokens, device=q.device)
-        positions = mask.nonzero().flatten()
+        positions = mask.nonzero().flatten() + padding[bi]
         n = len(positions)
         k, v = decode_keys_values(k_cache, v_cache, bi, positions, block_table, num_sink_tokens=num_sink_tokens,
                                   cache_capacity=cache_capacity)
