@@ -902,6 +902,24 @@ def test_kv_cache_bench_renders_speedups_sizes_and_logit_differences(tmp_path):
             "0.003 / 0.031 | 0.002 / 0.020 |") in text, text
 
 
+def test_padded_bench_renders_each_mode_against_no_padding_and_the_other_backend(tmp_path):
+    """`padded_bench --render`: a row per (model, mode): the course backend padded and not, their ratio, the
+    other backend padded and the course backend's speedup over it."""
+    import json
+
+    from course.tools import padded_bench
+
+    results = {"environment": {"gpu": "H100", "torch": "2.x", "transformers": "5.x", "date": "today"},
+               "batch": 8, "prompt": 1024, "steps": 32, "padding": [0, 128],
+               "rows": [{"model": "llama", "mode": "static+compile", "other": "sdpa", "course": 1.5,
+                         "course, no padding": 1.25, "sdpa": 3.0}]}
+    (tmp_path / padded_bench.JSON).write_text(json.dumps(results))
+    padded_bench.main(["--render", "--out", str(tmp_path)])
+    text = (tmp_path / padded_bench.MD).read_text()
+    assert "| Llama, same attention | static+compile | 1.500 | 1.250 | 1.20x | 3.000 (sdpa) | 2.00x |" in text, text
+    assert "row b left-padded by 128 b tokens" in text
+
+
 def test_stalls_cut_the_busiest_loop_at_its_waits(tmp_path):
     """`course.tools.stalls`: ncu's source page (a kernel line, a header, a row per SASS instruction at absolute
     addresses) -> each HGMMA loop's samples, the busiest one cut at its wait_group 1 and wait_group 0."""

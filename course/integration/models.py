@@ -95,7 +95,7 @@ class PaddedBatch:
     """
 
     real_keys: torch.Tensor
-    first_query: int | torch.Tensor  # a tensor with a static cache (its length stays on the GPU)
+    first_query: int | torch.Tensor  # the key index of the forward's first query (padded_batch: a tensor)
     first_key: torch.Tensor   # int32 [B]: each row's first real key (0 in a row without one)
     key_end: torch.Tensor     # int32 [B]: one past its last real key (0 in a row without one)
     one_run: torch.Tensor     # bool [B]: its real keys are the rows first_key .. key_end - 1, no gap
@@ -236,7 +236,11 @@ def padded_batch(attention_mask, q_offset, kv_offset, kv_length) -> PaddedBatch:
     real = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
     if real.shape[1] < kv_length:
         real = torch.nn.functional.pad(real, (0, kv_length - real.shape[1]), value=False)
-    first_query = q_offset - kv_offset  # a static cache's tensor stays one: reading it would wait for the GPU
+    # A tensor (a static cache's stays one: reading it would wait for the GPU), also where it was an int that
+    # changes every step (a sliding-window layer's), on which a compiled step would specialize and recompile.
+    first_query = q_offset - kv_offset
+    if not isinstance(first_query, torch.Tensor):
+        first_query = torch.tensor(first_query, device=real.device)
     return PaddedBatch.of(real, first_query)
 
 
