@@ -233,7 +233,9 @@ def is_key_counts(attention_mask) -> bool:
 def padded_batch(attention_mask, q_offset, kv_offset, kv_length) -> PaddedBatch:
     """The 2D mask [B, tokens seen] cut to the keys the cache returns (tokens kv_offset onwards; a
     StaticCache's free slots past the seen tokens are not real)."""
-    real = attention_mask[:, kv_offset:kv_offset + kv_length].bool()
+    # A copy, not a view of the mask: a view's row stride and offset change with every step, and CUDA-graph
+    # trees would record a new graph for each (a compiled step takes the batch as an input).
+    real = attention_mask[:, kv_offset:kv_offset + kv_length].bool().contiguous()
     if real.shape[1] < kv_length:
         real = torch.nn.functional.pad(real, (0, kv_length - real.shape[1]), value=False)
     # A tensor (a static cache's stays one: reading it would wait for the GPU), also where it was an int that
