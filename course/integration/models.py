@@ -95,14 +95,14 @@ class PaddedBatch:
     """
 
     real_keys: torch.Tensor
-    first_query: int | torch.Tensor  # the key index of the forward's first query (padded_batch: a tensor)
+    first_query: torch.Tensor  # the key index of the forward's first query (0-dimensional)
     first_key: torch.Tensor   # int32 [B]: each row's first real key (0 in a row without one)
     key_end: torch.Tensor     # int32 [B]: one past its last real key (0 in a row without one)
     one_run: torch.Tensor     # bool [B]: its real keys are the rows first_key .. key_end - 1, no gap
     _packings: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def of(cls, real_keys: torch.Tensor, first_query: int | torch.Tensor) -> PaddedBatch:
+    def of(cls, real_keys: torch.Tensor, first_query: torch.Tensor) -> PaddedBatch:
         """The mask of ``real_keys`` with each row's run found (a few tensor ops, no host read)."""
         found = real_keys.any(1)
         first = real_keys.int().argmax(1)  # argmax gives the first of equal maxima
@@ -131,8 +131,6 @@ class PaddedBatch:
 
     def real_queries(self, q_length: int) -> torch.Tensor:
         """Bool [B, q_length]: which of the forward's queries are real tokens."""
-        if isinstance(self.first_query, int):
-            return self.real_keys[:, self.first_query:self.first_query + q_length]
         return self.real_keys.index_select(1, self.first_query + torch.arange(q_length, device=self.real_keys.device))
 
     def decode_lengths(self) -> torch.Tensor:
