@@ -289,11 +289,9 @@ def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     h_q, h_kv = q.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    padding = reference.padding_rows(cache_leftpad, cache_seqlens).tolist()
-    for b, seqlen in enumerate(cache_seqlens.tolist()):
-        visible = reference.decode_visible_keys(seqlen - padding[b], window_size_left=window_size_left,
-                                                num_sink_tokens=num_sink_tokens, device=q.device)
-        positions = visible.nonzero().flatten() + padding[b]
+    visible = reference.decode_positions(cache_seqlens, window_size_left=window_size_left,
+                                         num_sink_tokens=num_sink_tokens, cache_leftpad=cache_leftpad, device=q.device)
+    for b, (seqlen, positions) in enumerate(zip(cache_seqlens.tolist(), visible)):
         k, v = reference.decode_keys_values(k_cache, v_cache, b, positions, block_table,
                                             num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity)
         kh, vh = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]          # [1, H_kv, n, D]
@@ -327,8 +325,7 @@ def appended_decode_inputs(inputs: dict, features: dict) -> tuple[dict, dict]:
                                                  **reference.append_options(features))
     q = inputs["q"]
     if features.get("rotary_cos") is not None:
-        positions = inputs["cache_seqlens"].long() - reference.padding_rows(features.get("cache_leftpad"),
-                                                                            inputs["cache_seqlens"])
+        positions = reference.new_token_positions(inputs["cache_seqlens"], features.get("cache_leftpad"))
         q = reference.rotary(q, features["rotary_cos"], features["rotary_sin"], positions,
                              features.get("rotary_interleaved", False))
     return ({**inputs, "q": q, "k_cache": k_cache, "v_cache": v_cache, "cache_seqlens": inputs["cache_seqlens"] + 1},

@@ -217,7 +217,7 @@ def append_to_cache(k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_tabl
 
     positions = cache_seqlens.to(device=k_new.device, dtype=torch.long)
     if rotary_cos is not None:
-        k_new = rotary(k_new, rotary_cos, rotary_sin, positions - padding_rows(cache_leftpad, positions),
+        k_new = rotary(k_new, rotary_cos, rotary_sin, new_token_positions(positions, cache_leftpad),
                        rotary_interleaved)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     for new, scale, cache in ((k_new, k_scale, k_cache), (v_new, v_scale, v_cache)):
@@ -239,6 +239,22 @@ def padding_rows(cache_leftpad, cache_seqlens) -> torch.Tensor:
     if cache_leftpad is None:
         return torch.zeros_like(cache_seqlens, dtype=torch.long)
     return cache_leftpad.to(device=cache_seqlens.device, dtype=torch.long)
+
+
+def new_token_positions(cache_seqlens, cache_leftpad=None) -> torch.Tensor:
+    """The position (RoPE's) of each sequence's new token, int64: its row cache_seqlens[b] less the
+    sequence's padding rows."""
+    return cache_seqlens.long() - padding_rows(cache_leftpad, cache_seqlens)
+
+
+def decode_positions(cache_seqlens, *, window_size_left: int = -1, num_sink_tokens: int = 0, cache_leftpad=None,
+                     device=None) -> list[torch.Tensor]:
+    """Per sequence, the cache rows (token positions) of the keys its query sees: ``decode_visible_keys`` of
+    the sequence after its padding rows, shifted past them."""
+    padding = padding_rows(cache_leftpad, cache_seqlens).tolist()
+    return [decode_visible_keys(seqlen - pad, window_size_left=window_size_left, num_sink_tokens=num_sink_tokens,
+                                device=device).nonzero().flatten() + pad
+            for seqlen, pad in zip(cache_seqlens.tolist(), padding)]
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
@@ -270,8 +286,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
             rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved, k_scale=k_scale, v_scale=v_scale,
             num_sink_tokens=num_sink_tokens, cache_capacity=cache_capacity, cache_leftpad=cache_leftpad)
         if rotary_cos is not None:
-            positions = cache_seqlens.long() - padding_rows(cache_leftpad, cache_seqlens)
-            q = rotary(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
+            q = rotary(q, rotary_cos, rotary_sin, new_token_positions(cache_seqlens, cache_leftpad), rotary_interleaved)
         cache_seqlens = cache_seqlens + 1
     b, h_q, d = q.shape
     h_kv = k_cache.shape[2]
@@ -282,11 +297,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     o = torch.zeros(b, h_q, d, dtype=dtype, device=q.device)
     lse = torch.full((b, h_q), -math.inf, dtype=torch.float32, device=q.device)
     lengths = [int(n) for n in cache_seqlens.tolist()]
-    padding = padding_rows(cache_leftpad, cache_seqlens).tolist()
-    for bi, seqlen in enumerate(lengths):
-        mask = decode_visible_keys(seqlen - padding[bi], window_size_left=window_size_left,
-                                   num_sink_tokens=num_sink_tokens, device=q.device)
-        positions = mask.nonzero().flatten() + padding[bi]
+    visible = decode_positions(cache_seqlens, window_size_left=window_size_left, num_sink_tokens=num_sink_tokens,
+                               cache_leftpad=cache_leftpad, device=q.device)
+    for bi, (seqlen, positions) in enumerate(zip(lengths, visible)):
         n = len(positions)
         k, v = decode_keys_values(k_cache, v_cache, bi, positions, block_table, num_sink_tokens=num_sink_tokens,
                                   cache_capacity=cache_capacity)
