@@ -101,24 +101,21 @@ def bench_shape(model, vocab_size: int, batch: int, context: int) -> dict:
     return row
 
 
-def run(out_dir: Path = DEFAULT_OUT) -> dict:
-    import torch
+def bench_model(name: str, config, model) -> list[dict]:
+    """Every shape of ``SHAPES`` on one model, on the course backend."""
+    model.set_attn_implementation("course")
+    rows = []
+    for batch, context in SHAPES:
+        rows.append(bench_shape(model, config.vocab_size, batch, context))
+        print(name, rows[-1], flush=True)
+    return rows
 
-    from course.integration import models
+
+def run(out_dir: Path = DEFAULT_OUT) -> dict:
     from course.tools import model_bench
 
-    if not torch.cuda.is_available():
-        raise SystemExit("kv_cache_bench times models on the GPU: it needs a Hopper GPU (sm_90)")
-    results = {"environment": model_bench.environment(), "rows": {}}
-    for name, config in model_bench.bench_configs().items():
-        model = models.random_model(config, device="cuda").to(torch.bfloat16)
-        model.set_attn_implementation("course")
-        results["rows"][name] = []
-        for batch, context in SHAPES:
-            results["rows"][name].append(bench_shape(model, config.vocab_size, batch, context))
-            print(name, results["rows"][name][-1], flush=True)
-        del model
-        torch.cuda.empty_cache()
+    rows = model_bench.on_each_model("kv_cache_bench", bench_model)
+    results = {"environment": model_bench.environment(), "rows": rows}
     bench.save_results(Path(out_dir), JSON, results)
     render(out_dir)
     return results

@@ -50,6 +50,25 @@ def bench_configs() -> dict:
     return {"gpt-oss": models.gpt_oss_config(**shapes), "llama": models.llama_config(**shapes)}
 
 
+def on_each_model(tool: str, measure) -> dict:
+    """{name: measure(name, config, model)} for each of ``bench_configs()``: its model made with random
+    weights in bfloat16 on the GPU, and freed before the next one is made. ``tool`` names the caller in
+    the error a machine without a GPU gets."""
+    import torch
+
+    from course.integration import models
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{tool} times models on the GPU: it needs a Hopper GPU (sm_90)")
+    measured = {}
+    for name, config in bench_configs().items():
+        model = models.random_model(config, device="cuda").to(torch.bfloat16)
+        measured[name] = measure(name, config, model)
+        del model
+        torch.cuda.empty_cache()
+    return measured
+
+
 def prefill_sample(model, ids):
     """One sample: milliseconds of one forward over ``ids`` into a fresh DynamicCache."""
     import transformers
@@ -169,12 +188,7 @@ def in_rounds(model, backends, make_sample, warmup: int, repeats: int, together:
     return {b: errors[b] if b in errors else statistics.median(samples[b][warmup:]) for b in backends}
 
 
-def bench_model(name: str, config, repeats: int, warmup: int = 2) -> list[dict]:
-    import torch
-
-    from course.integration import models
-
-    model = models.random_model(config, device="cuda").to(torch.bfloat16)
+def bench_model(name: str, config, model, repeats: int, warmup: int = 2) -> list[dict]:
     rows, backends = [], []
     for backend in BACKENDS:
         try:
@@ -193,8 +207,6 @@ def bench_model(name: str, config, repeats: int, warmup: int = 2) -> list[dict]:
             rows.append(row)
             shown = f"{row['ms']:.2f} ms" if "ms" in row else row["error"]
             print(f"  {name} {backend:>6} {_what(row, DECODE_STEPS)}: {shown}", flush=True)
-    del model
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -207,16 +219,12 @@ def environment() -> dict:
 
 
 def run(*, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 10) -> dict:
-    import torch
-
     from course.integration import ops
 
-    if not torch.cuda.is_available():
-        raise SystemExit("course model-bench times models on the GPU: it needs a Hopper GPU (sm_90)")
     ops.use_stages(impl=impl)
-    configs = bench_configs()
+    measured = on_each_model("course model-bench", lambda name, config, model: bench_model(name, config, model, repeats))
     results = {"environment": environment(), "decode_steps": DECODE_STEPS,
-               "rows": [row for name, config in configs.items() for row in bench_model(name, config, repeats)]}
+               "rows": [row for rows in measured.values() for row in rows]}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODELS_JSON).write_text(json.dumps(results, indent=2) + "\n")

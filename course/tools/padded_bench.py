@@ -56,29 +56,33 @@ def per_token(model, ids, mask, options: dict, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def run(out_dir: Path = DEFAULT_OUT, repeats: int = 5) -> dict:
+def bench_model(name: str, config, model, repeats: int) -> list[dict]:
+    """One row per mode of ``MODES`` on one model: the course backend padded and not, the other backend padded."""
     import torch
 
-    from course.integration import models, ops
+    ids = torch.randint(0, config.vocab_size, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = left_padded_mask(ids)
+    rows = []
+    for mode, options in MODES.items():
+        row = {"model": name, "mode": mode, "other": OTHER[name]}
+        for column, backend, given in (("course", "course", mask), ("course, no padding", "course", None),
+                                       (OTHER[name], OTHER[name], mask)):
+            model.set_attn_implementation(backend)
+            row[column] = per_token(model, ids, given, options, repeats)
+            print(f"  {name} {mode} {column}: {row[column]:.3f} ms per step", flush=True)
+        rows.append(row)
+    return rows
+
+
+def run(out_dir: Path = DEFAULT_OUT, repeats: int = 5) -> dict:
+    from course.integration import ops
     from course.tools import model_bench
 
     ops.use_stages(impl="solutions")
+    measured = model_bench.on_each_model("padded_bench", lambda name, config, model: bench_model(name, config, model,
+                                                                                               repeats))
     results = {"environment": model_bench.environment(), "batch": BATCH, "prompt": PROMPT, "steps": STEPS,
-               "padding": list(PADDING), "rows": []}
-    for name, config in model_bench.bench_configs().items():
-        model = models.random_model(config, device="cuda").to(torch.bfloat16)
-        ids = torch.randint(0, config.vocab_size, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0)).cuda()
-        mask = left_padded_mask(ids)
-        for mode, options in MODES.items():
-            row = {"model": name, "mode": mode, "other": OTHER[name]}
-            for column, backend, given in (("course", "course", mask), ("course, no padding", "course", None),
-                                           (OTHER[name], OTHER[name], mask)):
-                model.set_attn_implementation(backend)
-                row[column] = per_token(model, ids, given, options, repeats)
-                print(f"  {name} {mode} {column}: {row[column]:.3f} ms per step", flush=True)
-            results["rows"].append(row)
-        del model
-        torch.cuda.empty_cache()
+               "padding": list(PADDING), "rows": [row for rows in measured.values() for row in rows]}
     bench.save_results(Path(out_dir), JSON, results)
     render(out_dir)
     return results
