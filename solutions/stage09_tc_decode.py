@@ -453,6 +453,15 @@ def rolling_slot(position: Int32, num_sink_tokens: Int32, capacity: Int32) -> In
 # --8<-- [end:rolling_slot]
 
 
+# --8<-- [start:sees]
+@cute.jit
+def sees(key: Int32, query: Int32, window_first: Int32, num_sink_tokens: Int32):
+    """Whether the draft token at position ``query`` sees the key at position ``key``: not a later one
+    (causal), and one of its window (from ``window_first``) or a sink token."""
+    return (key <= query) & ((key >= window_first) | (key < num_sink_tokens))
+# --8<-- [end:sees]
+
+
 class TensorCoreDecode:
     """Grid (num_splits x head chunks, H_kv, B); one CTA = one split of one KV head's keys, for up to
     16 x row_tiles query heads."""
@@ -472,6 +481,7 @@ class TensorCoreDecode:
         self.alibi = config.alibi
         self.rolling = config.rolling
         self.leftpad = config.leftpad
+        self.drafts = config.drafts
         self.head_dim = config.head_dim
         self.paged = config.paged
         self.has_sink = config.has_sink
@@ -501,7 +511,7 @@ class TensorCoreDecode:
     @cute.jit
     def __call__(
         self,
-        mQ: cute.Tensor,           # [B, H_q, D]
+        mQ: cute.Tensor,           # [B, H_q, D], or [B, n, H_q, D] with drafts
         mK: cute.Tensor,           # [B, S_max, H_kv, D] or [pages, page_size, H_kv, D]
         mV: cute.Tensor,
         mSeqlens: cute.Tensor,     # [B] int32
@@ -509,10 +519,10 @@ class TensorCoreDecode:
         mSink: cute.Tensor,        # [H_q] float32 (unused without sinks)
         mKScale: cute.Tensor,      # [H_kv] or [1] float32 (unused for a 16-bit cache)
         mVScale: cute.Tensor,
-        mO: cute.Tensor,           # [B, H_q, D]
-        mLSE: cute.Tensor,         # [B, H_q] float32 (unused without return_lse)
-        mPartO: cute.Tensor,       # [B, H_q, workspace_slots(num_splits), D] float32 workspace
-        mPartLSE: cute.Tensor,     # [B, H_q, workspace_slots(num_splits)] float32 workspace
+        mO: cute.Tensor,           # q's shape
+        mLSE: cute.Tensor,         # [B, H_q] float32, or [B, H_q, n] with drafts (unused without return_lse)
+        mPartO: cute.Tensor,       # [B, H_q x n, workspace_slots(num_splits), D] float32 workspace
+        mPartLSE: cute.Tensor,     # [B, H_q x n, workspace_slots(num_splits)] float32 workspace
         mCounters: cute.Tensor,    # [>= counters_needed(...)] int32, zero between launches
         mKNew: cute.Tensor,        # [B, H_kv, D] the new token's K, V (unused without appends)
         mVNew: cute.Tensor,
@@ -539,8 +549,10 @@ class TensorCoreDecode:
 
         self.shared_storage = SharedStorage
 
+        if cutlass.const_expr(self.drafts):
+            mQ, mO, mLSE, mSink, mAlibi = self.draft_rows(mQ, mO, mLSE, mSink, mAlibi, mK.shape[2])
         # --8<-- [start:grid]
-        batch, heads_q, heads_kv = mQ.shape[0], mQ.shape[1], mK.shape[2]
+        batch, heads_q, heads_kv = mQ.shape[0], cute.size(mQ, mode=[1]), mK.shape[2]
         chunks = (heads_q // heads_kv + self.rows - 1) // self.rows
         # The head chunks of one split are consecutive CTAs: they read the same keys, so they start together
         grid = (num_splits * chunks, heads_kv, batch)
@@ -551,6 +563,31 @@ class TensorCoreDecode:
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=ctas_per_sm(self.head_dim, self.cache_name, self.row_tiles, self.num_warps),
                  preferred_smem_carveout=100)
+
+    # --8<-- [start:draft_rows]
+    @cute.jit
+    def draft_rows(self, mQ: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mSink: cute.Tensor,
+                   mAlibi: cute.Tensor, heads_kv: Int32):
+        """Draft tokens: n query tokens per sequence as n times the rows of each KV head's group. q and O
+        [B, n, H_q, D] are seen as [B, (G, n, H_kv), D]: row token x G + head of a KV head's n x G rows is
+        that token's query head, so the kernel, which packs a group's rows into its MMAs, takes them as it
+        takes [B, H_q, D]. The LSE [B, H_q, n] likewise, and the per-head sink logits and ALiBi slopes
+        repeat for every token (stride 0)."""
+        group = mQ.shape[2] // heads_kv
+        rows = (group, mQ.shape[1], heads_kv)
+
+        def as_rows(t: cute.Tensor, token: int, head: int) -> cute.Tensor:  # modes token, head -> rows
+            strides = (t.stride[head], t.stride[token], group * t.stride[head])
+            if cutlass.const_expr(cute.rank(t) == 4):
+                return cute.make_tensor(t.iterator, cute.make_layout((t.shape[0], rows, t.shape[3]),
+                                                                     stride=(t.stride[0], strides, t.stride[3])))
+            return cute.make_tensor(t.iterator, cute.make_layout((t.shape[0], rows), stride=(t.stride[0], strides)))
+
+        def per_head(t: cute.Tensor) -> cute.Tensor:
+            return cute.make_tensor(t.iterator, cute.make_layout((rows,), stride=((1, 0, group),)))
+
+        return as_rows(mQ, 1, 2), as_rows(mO, 1, 2), as_rows(mLSE, 2, 1), per_head(mSink), per_head(mAlibi)
+    # --8<-- [end:draft_rows]
 
     # --8<-- [start:key_row]
     @cute.jit
@@ -1010,7 +1047,7 @@ class TensorCoreDecode:
         # --8<-- [start:heads]
         # GQA packing: the CTA's query heads are up to 16 x row_tiles consecutive heads of one KV
         # head's group, the rows of the MMAs.
-        group_size = mQ.shape[1] // mK.shape[2]
+        group_size = cute.size(mQ, mode=[1]) // mK.shape[2]  # rows per KV head: n x G with drafts
         chunks = (group_size + self.rows - 1) // self.rows
         split, head_chunk = split_chunk // chunks, split_chunk % chunks
         num_splits = cute.arch.grid_dim()[0] // chunks
@@ -1065,7 +1102,11 @@ class TensorCoreDecode:
         if cutlass.const_expr(self.leftpad):
             first_key = cutlass.min(cutlass.max(mLeftpad[batch], Int32(0)), cached)
             seqlen = seqlen - first_key
-        lo, n_sink, num_visible = visible_key_range(seqlen, window_left, num_sink_tokens)
+        window = window_left
+        if cutlass.const_expr(self.drafts):
+            # The keys of the first draft token's window too: n - 1 further back than the last one's.
+            window = cutlass.select_(window_left < 0, window_left, window_left + mQ.shape[1][1] - 1)
+        lo, n_sink, num_visible = visible_key_range(seqlen, window, num_sink_tokens)
         num_cached = num_visible - appends
         step = self.keys_per_iteration
         chunk = (num_cached + num_splits - 1) // num_splits
@@ -1148,6 +1189,15 @@ class TensorCoreDecode:
         if cutlass.const_expr(self.alibi):
             for r in cutlass.range_constexpr(2):
                 alibi_log2[r] = mAlibi[first_head + cutlass.min(ROWS * tile + g + 8 * r, heads_here - 1)] * LOG2_E
+        # Draft tokens: the thread's rows' query positions (row token x G + head of the KV head's rows is
+        # at seqlen - n + token) and the first key each one's window sees.
+        q_pos = cute.make_rmem_tensor((2,), Int32)
+        q_first = cute.make_rmem_tensor((2,), Int32)
+        if cutlass.const_expr(self.drafts):
+            for r in cutlass.range_constexpr(2):
+                token = (head_chunk * self.rows + ROWS * tile + g + 8 * r) // mQ.shape[1][0]
+                q_pos[r] = seqlen - mQ.shape[1][1] + token
+                q_first[r] = Int32(cutlass.select_(window_left < 0, Int32(0), q_pos[r] - window_left))
         # Paged cache: entry st < STAGES - 1 holds this lane's page of prologue iteration st's copies,
         # the last one that of the next copies the loop issues.
         r_pages = cute.make_rmem_tensor((STAGES,), Int32)
@@ -1200,9 +1250,14 @@ class TensorCoreDecode:
                 for v in cutlass.range_constexpr(cute.size(r_s)):
                     valid = first + score_key(v, kq) < v_end
                     score = r_s[v] * score_scale
-                    if cutlass.const_expr(self.alibi):  # - slope x (query position - key position)
+                    if cutlass.const_expr(self.alibi or self.drafts):
                         key = cache_row(first + score_key(v, kq), v_end, n_sink, lo)
-                        score = score + alibi_log2[score_row(v)] * Float32(key - (seqlen - 1))
+                    query = seqlen - 1
+                    if cutlass.const_expr(self.drafts):
+                        query = q_pos[score_row(v)]
+                        valid = valid & sees(key, query, q_first[score_row(v)], num_sink_tokens)
+                    if cutlass.const_expr(self.alibi):  # - slope x (query position - key position)
+                        score = score + alibi_log2[score_row(v)] * Float32(key - query)
                     r_s[v] = Float32(cutlass.select_(valid, score, -Float32.inf))
                 online_softmax_update(r_s, acc_o, row_max, row_sum)
                 # S's accumulator layout is P V's A layout: the same 8 values in the same order.
@@ -1300,6 +1355,7 @@ class DecodeConfig:
     alibi: bool = False        # ALiBi slopes
     rolling: bool = False      # a rolling cache (cache_capacity rows)
     leftpad: bool = False      # cache_leftpad: each sequence's keys start at its own row
+    drafts: bool = False       # q [B, n, H_q, D]: n query tokens per sequence (speculative decoding's drafts)
 
     def __post_init__(self):
         if not self.cache_dtype:
@@ -1317,7 +1373,7 @@ class DecodeConfig:
         warps = f"_warps{self.warps}" if self.warps != 4 else ""
         extras = (f"{'_append' if self.appends else ''}{'_rope-' + self.rotary if self.rotary else ''}"
                   f"{'_alibi' if self.alibi else ''}{'_rolling' if self.rolling else ''}"
-                  f"{'_leftpad' if self.leftpad else ''}")
+                  f"{'_leftpad' if self.leftpad else ''}{'_drafts' if self.drafts else ''}")
         return (f"{self.dtype}{cache}_d{self.head_dim}_{layout}{rows}{warps}"
                 f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}{extras}")
 
@@ -1334,20 +1390,23 @@ def fake_decode_tensors(config: DecodeConfig):
         return make_fake_tensor(dtype, extents, stride, assumed_align=4)
 
     q_dtype, cache_dtype, d = _torch_dtype(config.dtype), _torch_dtype(config.cache_dtype), config.head_dim
-    q = symbolic_tensor(q_dtype, ("B", "H_q", d), symbols=symbols)
-    rows = ("pages", "page_size") if config.paged else ("B_kv", "S_max")
+    # Draft tokens: q and O [B, n, H_q, D], the LSE [B, H_q, n], the workspace's rows one per (token, head).
+    queries = ("B", "n", "H_q", d) if config.drafts else ("B", "H_q", d)
+    rows = "rows" if config.drafts else "H_q"
+    q = symbolic_tensor(q_dtype, queries, symbols=symbols)
+    slots = ("pages", "page_size") if config.paged else ("B_kv", "S_max")
     per_16_bytes = 16 // cache_dtype.itemsize  # 16-byte copies: rows start on 16-byte boundaries
-    k = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
-    v = symbolic_tensor(cache_dtype, (*rows, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
-    o = symbolic_tensor(q_dtype, ("B", "H_q", d), symbols=symbols)
-    part_o = symbolic_tensor(torch.float32, ("B", "H_q", "slots", d), symbols=symbols)
+    k = symbolic_tensor(cache_dtype, (*slots, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
+    v = symbolic_tensor(cache_dtype, (*slots, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
+    o = symbolic_tensor(q_dtype, queries, symbols=symbols)
+    part_o = symbolic_tensor(torch.float32, ("B", rows, "slots", d), symbols=symbols)
     seqlens = small(cutlass.Int32, ("B",))
     block_table = small(cutlass.Int32, ("B_table", "max_pages"))
     sink = small(cutlass.Float32, ("H_sink",))
     k_scale = small(cutlass.Float32, ("H_k_scale",))
     v_scale = small(cutlass.Float32, ("H_v_scale",))
-    lse = small(cutlass.Float32, ("B_lse", "H_lse"))
-    part_lse = small(cutlass.Float32, ("B", "H_q", "slots"))
+    lse = small(cutlass.Float32, ("B_lse", "H_lse", "n_lse") if config.drafts else ("B_lse", "H_lse"))
+    part_lse = small(cutlass.Float32, ("B", rows, "slots"))
     counters = small(cutlass.Int32, ("counters",))
     # The new token's K and V, [B_new, H_kv_new, D] (1 x 1 x D placeholders without appends), and the
     # rotary angles [positions, rotary_dim / 2] (rows of 16 bytes: rotary_dim is a multiple of 16).
@@ -1367,9 +1426,11 @@ def kernel_and_args(config: DecodeConfig):
                                       Int32(0))
 
 
-# The serving extras a compiled configuration carries, in turn: (appends, rotary, alibi, rolling, leftpad).
-EXTRAS = [(False, "", False, False, False), (True, "halves", False, False, True), (False, "", True, False, True),
-          (True, "interleaved", False, True, False), (True, "", True, False, False), (False, "", False, True, False)]
+# The serving extras a compiled configuration carries, in turn: (appends, rotary, alibi, rolling, leftpad,
+# drafts); draft tokens never come with an append (one new token).
+EXTRAS = [(False, "", False, False, False, False), (True, "halves", False, False, True, False),
+          (False, "", True, False, True, True), (True, "interleaved", False, True, False, False),
+          (True, "", True, False, False, False), (False, "", False, True, False, True)]
 
 
 def compile_matrix() -> list[DecodeConfig]:
@@ -1502,7 +1563,8 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
                      return_lse=False, out=None, check_lengths=None, k_scale=None, v_scale=None, plan=None,
                      k_new=None, v_new=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
                      alibi_slopes=None, cache_capacity=None, cache_leftpad=None):
-    """One query token per sequence against its KV cache; the contract is docs/contract.md.
+    """One query token per sequence (or a few: draft tokens) against its KV cache; the contract is
+    docs/contract.md.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
     page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
@@ -1535,6 +1597,13 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     cache holds them: sequence b is rows cache_leftpad[b] .. of its cache, the
     rows before it are padding, never read; positions (windows, sink tokens,
     RoPE, ALiBi) count from its first real row. Not with a rolling cache.
+
+    Draft tokens (speculative decoding's verification step): q [B, n, H_q, D]
+    holds n query tokens per sequence, the last n of its cache_seqlens[b] keys
+    (their K and V already in the cache); token i sees the keys up to its own
+    position cache_seqlens[b] - n + i, as causal attention aligned bottom-right
+    does, each its own window. O has q's shape, the LSE is [B, H_q, n]. Not
+    with k_new (one new token).
     """
     key = launch.signature(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out,
                            softmax_scale, window_size_left, num_sink_tokens, num_splits, return_lse, plan,
@@ -1575,7 +1644,9 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
         v_new=v_new, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         alibi_slopes=alibi_slopes, cache_capacity=cache_capacity, cache_leftpad=cache_leftpad,
     )
-    group_size = shape.heads_q // shape.heads_kv
+    # Draft tokens are more rows of each KV head's group: n x G of them (draft_rows).
+    group_size = shape.queries * shape.heads_q // shape.heads_kv
+    drafts = shape.queries > 1
     check_plan(plan, group_size, shape.head_dim)
     if check_lengths:  # values before devices, so that a CPU test reaches them (decode_attention checks again)
         validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale, cache_leftpad)
@@ -1585,7 +1656,8 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
                             alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad)
     device = q.device
     cache_dtype = str(k_cache.dtype).removeprefix("torch.")
-    max_keys = shape.capacity if window_size_left < 0 else min(shape.capacity, window_size_left + 1 + num_sink_tokens)
+    max_keys = (shape.capacity if window_size_left < 0
+                else min(shape.capacity, window_size_left + shape.queries + num_sink_tokens))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     plan = choose_plan(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype,
                        plan, num_splits)
@@ -1594,18 +1666,21 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim,
                           block_table is not None, cache_dtype, sink_logits is not None,
                           bool(return_lse), plan.row_tiles, plan.warps, shape.appends, rotary,
-                          alibi_slopes is not None, shape.rolling > 0, cache_leftpad is not None)
+                          alibi_slopes is not None, shape.rolling > 0, cache_leftpad is not None, drafts)
     kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
-    no_scale, no_lse = launch.placeholder(device, (1,)), launch.placeholder(device, (1, 1))
+    no_scale, no_lse = launch.placeholder(device, (1,)), launch.placeholder(device, (1, 1, 1) if drafts else (1, 1))
     no_table = launch.placeholder(device, (1, 1), torch.int32)
     no_leftpad = launch.placeholder(device, (1,), torch.int32)
     no_row = launch.placeholder(device, (1, 1, shape.head_dim), q.dtype)        # k_new, v_new
     no_angles = launch.placeholder(device, (1, ROTARY_CHUNK), q.dtype)          # rotary_cos, rotary_sin
     scalar_scales = k_scale is not None and k_scale.dim() == 0, v_scale is not None and v_scale.dim() == 0
     slots = workspace_slots(plan.num_splits)
-    part_o_shape = (shape.batch, shape.heads_q, slots, shape.head_dim)
-    part_lse_shape, lse_shape = (shape.batch, shape.heads_q, slots), (shape.batch, shape.heads_q)
+    part_o_shape = (shape.batch, shape.queries * shape.heads_q, slots, shape.head_dim)
+    part_lse_shape = (shape.batch, shape.queries * shape.heads_q, slots)
+    lse_shape = (shape.batch, shape.heads_q) + ((shape.queries,) if q.dim() == 4 else ())
+    # q [B, 1, H_q, D] is one token per sequence: [B, H_q, D] to the kernel.
+    one_token = q.dim() == 4 and not drafts
     partials = launch.DecodePartials(device, part_o_shape, part_lse_shape)
     num_counters = shape.batch * kv_ctas * (split_groups(plan.num_splits) + 1)
 
@@ -1615,11 +1690,14 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
             out = q.new_empty(q.shape)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if return_lse else no_lse
         part_o, part_lse = partials.views()
-        kernel(q, k_cache, v_cache, cache_seqlens, no_table if block_table is None else block_table,
+        q_, out_, lse_ = q, out, lse
+        if one_token:
+            q_, out_, lse_ = q[:, 0], out[:, 0], lse[..., 0] if return_lse else no_lse
+        kernel(q_, k_cache, v_cache, cache_seqlens, no_table if block_table is None else block_table,
                no_scale if sink_logits is None else sink_logits,
                no_scale if k_scale is None else k_scale.reshape(1) if scalar_scales[0] else k_scale,
                no_scale if v_scale is None else v_scale.reshape(1) if scalar_scales[1] else v_scale,
-               out, lse, part_o, part_lse, launch.decode_counters(device, num_counters),
+               out_, lse_, part_o, part_lse, launch.decode_counters(device, num_counters),
                no_row if k_new is None else k_new, no_row if v_new is None else v_new,
                no_angles if rotary_cos is None else rotary_cos, no_angles if rotary_sin is None else rotary_sin,
                no_scale if alibi_slopes is None else alibi_slopes,

@@ -145,7 +145,9 @@ def replaced(inputs, **changes):
 BAD_INPUTS = {
     "cpu-device": (lambda: cpu_inputs(), {}, ValueError, "CUDA"),
     "zero-length-is-valid": (lambda: cpu_inputs(lengths=(0, 3)), {}, ValueError, "CUDA"),
-    "q-rank": (lambda: (i := cpu_inputs()) and replaced(i, q=i["q"][None]), {}, ValueError, "rank"),
+    "q-rank": (lambda: (i := cpu_inputs()) and replaced(i, q=i["q"][None, None]), {}, ValueError, "rank"),
+    "draft-tokens-are-stage-9": (lambda: (i := cpu_inputs()) and replaced(i, q=i["q"][:, None].expand(2, 3, 4, 64)),
+                                 {}, NotImplementedError, "stage 9"),
     "dtype-mismatch": (lambda: (i := cpu_inputs()) and replaced(i, q=i["q"].bfloat16()), {}, TypeError, "dtype"),
     "fp32": (lambda: cpu_inputs(dtype=torch.float32), {}, TypeError, "float16"),
     "head-dim": (lambda: cpu_inputs(d=96), {}, ValueError, "head_dim 96"),

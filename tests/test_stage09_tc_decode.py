@@ -129,7 +129,7 @@ def fp8_cpu_inputs(**sizes):
 
 
 BAD_INPUTS = {
-    **STAGE7_BAD_INPUTS,
+    **{name: case for name, case in STAGE7_BAD_INPUTS.items() if name != "draft-tokens-are-stage-9"},
     "fp8-without-scales": (lambda: {k: v for k, v in fp8_cpu_inputs().items() if k != "v_scale"}, {},
                            ValueError, "v_scale"),
     "fp8-scale-zero": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.tensor([1.0, 0.0])),
@@ -240,7 +240,21 @@ BAD_INPUTS = {
                                       "rotary_cos": torch.ones(8, 32, dtype=torch.float16),
                                       "rotary_sin": torch.ones(8, 32, dtype=torch.float16), "check_lengths": True},
         ValueError, "CUDA"),
+    "draft-tokens-valid-reach-the-device-check": (lambda: draft_cpu_inputs(), {}, ValueError, "CUDA"),
+    "draft-tokens-with-k-new": (lambda: {**append_cpu_inputs(), "q": draft_cpu_inputs()["q"]}, {}, ValueError,
+                                "append one token per sequence, but q has 3"),
+    "draft-tokens-out-shape": (lambda: draft_cpu_inputs(), {"out": torch.empty(2, 4, 64, dtype=torch.float16)},
+                               ValueError, "rank 3"),
+    "draft-tokens-rolling-window-too-wide": (lambda: draft_cpu_inputs(), {"cache_capacity": 8, "window_size_left": 4,
+                                                                         "num_sink_tokens": 2}, ValueError,
+                                             "for each of the 3 query tokens: window_size_left from 0 to 3; got 4"),
 }
+
+
+def draft_cpu_inputs():
+    """CPU inputs of lengths 5 and 9 with 3 query tokens per sequence, q [2, 3, 4, 64]."""
+    inputs = cpu_inputs()
+    return {**inputs, "q": torch.randn(2, 3, 4, 64).half()}
 
 
 def int8_cpu_inputs(**sizes):
@@ -309,6 +323,8 @@ def test_compile_matrix_covers_every_option(solution):
         assert {c.rotary for c in here if c.appends} == set(solution.ROTARY), f"D={d}: every RoPE variant"
         assert any(c.alibi for c in here) and any(c.rolling for c in here), f"D={d}: ALiBi and a rolling cache"
         assert any(c.leftpad and c.appends for c in here), f"D={d}: left padding (with an append)"
+        assert any(c.drafts and c.alibi and c.leftpad for c in here), f"D={d}: draft tokens with ALiBi, left padding"
+        assert not any(c.drafts and c.appends for c in here), "draft tokens never come with an append"
         for cache in ("16-bit", *solution.QUANTIZED):  # each quantized cache writes its appended rows itself
             assert any(c.appends for c in here if (c.cache_dtype in solution.QUANTIZED) == (cache != "16-bit")
                        and (cache == "16-bit" or c.cache_dtype == cache)), f"D={d}: an append to a {cache} cache"
@@ -851,3 +867,122 @@ def test_consecutive_decode_steps(stage, layout, cache):
         append_step(stage, inputs, features, f"{layout} {cache} step {step + 1}", num_splits=3)
         inputs["q"] = torch.randn(inputs["q"].shape, generator=gen, device="cuda").half()
         inputs["cache_seqlens"] += 1
+
+
+# ---------------------------------------------------------------- draft tokens (several query tokens per sequence)
+
+def test_draft_tokens_are_causal_attention_over_the_cache():
+    """The reference's draft tokens (float64, CPU): q [B, n, H_q, D] against the cache is the prefill
+    reference's causal attention of the sequence's last n positions over its keys, aligned bottom-right,
+    with a window, sink tokens and logits, ALiBi and left padding; a sequence shorter than n has rows that
+    see no key (O = 0, LSE = the sink logit)."""
+    lengths, padding, n, h_q, h_kv = [2, 40, 70], [0, 25, 9], 4, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, n, h_q, 64, generator=gen, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(3, 90, h_kv, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    features = dict(num_sink_tokens=2, sink_logits=torch.randn(h_q, generator=gen),
+                    alibi_slopes=testing.alibi_slopes(h_q, device="cpu"))
+    out, lse = testing.reference.decode_attention(
+        q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32), window_size_left=20, return_lse=True,
+        cache_leftpad=torch.tensor(padding, dtype=torch.int32), **features)
+    assert out.shape == q.shape and lse.shape == (3, h_q, n)
+    for b, (length, pad) in enumerate(zip(lengths, padding)):
+        keys, values = k_cache[b:b + 1, pad:length], v_cache[b:b + 1, pad:length]
+        expected, expected_lse = testing.reference.attention(q[b:b + 1], keys, values, causal=True,
+                                                             window_size=(20, 0), return_lse=True, **features)
+        torch.testing.assert_close(out[b], expected[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(lse[b], expected_lse[0], rtol=0, atol=1e-6)
+    assert out[0, :2].abs().max() == 0, "the first two of 4 tokens of a 2-key sequence see no key"
+
+
+DRAFT_LENGTHS = [1, 3, 4, 5, 127, 128, 129, 4097, 20000]  # below, at and past n = 4; page and tile edges
+DRAFT_CASES = {  # name: (n, H_q, H_kv, D, dtype, layout, cache, features)
+    "4-gqa4-d128-paged64": (4, 32, 8, 128, "bfloat16", "paged64", "16-bit", {}),
+    "2-gqa8-d128-window-sinks": (2, 64, 8, 128, "float16", "contiguous", "fp8",
+                                 {"window_size_left": 100, "num_sink_tokens": 4, "sink_logits": True}),
+    "8-mqa8-d64-paged16-alibi-leftpad": (8, 8, 1, 64, "bfloat16", "paged16", "int8", {"alibi": True, "leftpad": True}),
+    "3-mha-d256-window-0": (3, 16, 16, 256, "float16", "contiguous", "16-bit", {"window_size_left": 0}),
+    "5-gqa4-d128-paged32-leftpad-window": (5, 16, 4, 128, "float16", "paged32", "16-bit",
+                                           {"leftpad": True, "window_size_left": 33, "num_sink_tokens": 1}),
+}
+
+
+def draft_options(features: dict, heads_q: int, lengths: list[int]) -> dict:
+    """A case's decode options: ALiBi slopes, sink logits and a left padding made for its sizes."""
+    options = {k: v for k, v in features.items() if k not in ("alibi", "sink_logits", "leftpad")}
+    if features.get("alibi"):
+        options["alibi_slopes"] = testing.alibi_slopes(heads_q)
+    if features.get("sink_logits"):
+        options["sink_logits"] = torch.randn(heads_q, device="cuda")
+    if features.get("leftpad"):
+        options["cache_leftpad"] = torch.tensor([n // 3 for n in lengths], dtype=torch.int32, device="cuda")
+    return options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [None, "tiles", "warps8"], ids=["auto", "most-tiles", "warps8"])
+@pytest.mark.parametrize("n, heads_q, heads_kv, head_dim, dtype, layout, cache, features", DRAFT_CASES.values(),
+                         ids=DRAFT_CASES.keys())
+def test_draft_tokens(stage, n, heads_q, heads_kv, head_dim, dtype, layout, cache, features, variant):
+    """q [B, n, H_q, D]: n query tokens per sequence, the last n positions of its keys, each seeing the keys
+    up to its own (n x G rows per KV head); lengths below n (rows with no key), split several ways, with
+    the LSE [B, H_q, n]; q [B, 1, H_q, D] gives [B, H_q, D]'s bits."""
+    inputs = testing.random_decode_inputs(DRAFT_LENGTHS, heads_q, heads_kv, head_dim, getattr(torch, dtype),
+                                          page_size=LAYOUTS[layout], seed=n + heads_q)
+    inputs, scales = quantized(inputs, cache)
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(len(DRAFT_LENGTHS), n, heads_q, head_dim, generator=gen, device="cuda").to(inputs["q"].dtype)
+    options = {**draft_options(features, heads_q, DRAFT_LENGTHS), **scales}
+    if options.get("cache_leftpad") is not None:
+        poison_padding(inputs, options["cache_leftpad"].tolist())
+    plan = variant_plan(stage, variant, n * heads_q, heads_kv, head_dim)
+    where = f"{n} draft tokens H_q={heads_q} H_kv={heads_kv} D={head_dim} {layout} {cache} {features} {variant}"
+    for num_splits in (1, 5, 0):
+        out, lse = stage.decode_attention(**{**inputs, "q": q}, **options, num_splits=num_splits, return_lse=True,
+                                          plan=plan, out=testing.poisoned_like(q))
+        assert lse.shape == (len(DRAFT_LENGTHS), heads_q, n), f"{where}: LSE has shape {tuple(lse.shape)}"
+        testing.assert_decode_matches(out, {**inputs, "q": q}, f"{where} num_splits={num_splits}", lse=lse,
+                                      **options)
+    one, one_lse = stage.decode_attention(**{**inputs, "q": q[:, -1:]}, **options, return_lse=True)
+    three, three_lse = stage.decode_attention(**{**inputs, "q": q[:, -1]}, **options, return_lse=True)
+    assert torch.equal(one[:, 0], three) and torch.equal(one_lse[..., 0], three_lse), (
+        f"{where}: q [B, 1, H_q, D] differs from q [B, H_q, D]")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", QUANTIZED)
+def test_draft_tokens_on_a_rolling_cache(stage, cache):
+    """A rolling cache keeps the keys of every draft token's window: lengths far past the ring, a window
+    that wraps, n = 4 with window_size_left + n = capacity - sink tokens."""
+    capacity, sinks, n = 260, 4, 4
+    lengths = [1, 3, capacity, capacity + 1, 5 * capacity + 17, 70000]
+    inputs = testing.rolling_decode_inputs(lengths, capacity, 32, 8, 128, torch.float16, page_size=64, seed=3)
+    inputs, scales = quantized(inputs, cache)
+    inputs["q"] = torch.randn(len(lengths), n, 32, 128, device="cuda").half()
+    features = dict(window_size_left=capacity - sinks - n, num_sink_tokens=sinks, cache_capacity=capacity, **scales)
+    out = stage.decode_attention(**inputs, **features, num_splits=4, out=testing.poisoned_like(inputs["q"]))
+    testing.assert_decode_matches(out, inputs, f"draft tokens on a rolling cache {cache}", **features)
+
+
+@pytest.mark.gpu
+def test_draft_tokens_graph_replay_with_new_lengths(stage):
+    """One captured launch of 4 draft tokens per sequence replayed after the lengths change (same cache):
+    each replay matches an eager launch bit for bit."""
+    inputs = testing.random_decode_inputs([700, 5000, 9000], 32, 8, 128, torch.bfloat16, page_size=64, seed=9)
+    inputs["q"] = torch.randn(3, 4, 32, 128, device="cuda").bfloat16()
+    out = testing.poisoned_like(inputs["q"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stage.decode_attention(**inputs, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        stage.decode_attention(**inputs, out=out)
+    for lengths in ([700, 5000, 9000], [3, 4097, 64], [1, 2, 8999]):
+        inputs["cache_seqlens"].copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, stage.decode_attention(**inputs)), f"replay with lengths {lengths} differs from eager"
+        testing.assert_decode_matches(out, inputs, f"replay with lengths {lengths}")

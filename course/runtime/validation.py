@@ -21,7 +21,8 @@ QUANTIZED_CACHE_DTYPES = (FP8_CACHE_DTYPE, INT8_CACHE_DTYPE)
 FP8_STAGE = (9, "tensor-core decode with an FP8 KV cache")
 # What stage 9 adds to decode besides its quantized caches: the serving step's extras.
 DECODE_EXTRAS_STAGE = (9, "tensor-core decode: fused append and RoPE, ALiBi, rolling cache, left padding, "
-                          "int8 cache")
+                          "int8 cache, draft tokens")
+DECODE_HEAD_DIMS = (64, 128, 256)  # what the decode stages take
 INT32_MAX = 2**31 - 1  # the kernels take window sizes, sink-token and split counts as 32-bit ints
 # The kernels multiply scores by softmax_scale * log2(e) as a float32: it must be a normal float32
 # (a zero or denormal scale turns a masked score into -inf * 0 = NaN, an infinite one every score).
@@ -350,6 +351,7 @@ class DecodeInputShape:
     rotary_dim: int = 0        # columns rotary_cos/sin rotate (0: no RoPE)
     rotary_positions: int = 0  # rows of rotary_cos/sin: positions 0 .. rotary_positions - 1
     rolling: int = 0           # cache_capacity of a rolling cache, 0 for a linear one
+    queries: int = 1           # query tokens per sequence: n of q [B, n, H_q, D] (draft tokens), else 1
 
 
 def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
@@ -368,7 +370,7 @@ def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
 
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                         window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, return_lse=False,
-                        out=None, head_dims=(64, 128, 256), page_sizes=(16, 32, 64, 128, 256), k_scale=None,
+                        out=None, head_dims=DECODE_HEAD_DIMS, page_sizes=(16, 32, 64, 128, 256), k_scale=None,
                         v_scale=None, stage=7, max_token_stride=None, k_new=None, v_new=None, rotary_cos=None,
                         rotary_sin=None, rotary_interleaved=False, alibi_slopes=None,
                         cache_capacity=None, cache_leftpad=None) -> DecodeInputShape:
@@ -385,7 +387,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     """
     import torch
 
-    _check_tensor("q", q, rank=3, layout="[batch, heads_q, head_dim]")
+    queries = _check_decode_q(q, stage)
     cache_layout = ("[batch, S_max, heads_kv, head_dim] (contiguous cache) or "
                     "[num_pages, page_size, heads_kv, head_dim] with a block_table (paged cache)")
     quantized = any(isinstance(t, torch.Tensor) and str(t.dtype) in QUANTIZED_CACHE_DTYPES for t in (k_cache, v_cache))
@@ -413,10 +415,10 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
                          "they must match")
     if max_token_stride is not None:
         _check_token_stride(k_cache, v_cache, max_token_stride, stage)
-    _check_not_empty("q", q, ("batch", "H_q", "head_dim"))
+    _check_not_empty("q", q, ("batch", "tokens", "H_q", "head_dim") if q.dim() == 4 else ("batch", "H_q", "head_dim"))
     slot_dims = ("batch", "S_max") if block_table is None else ("num_pages", "page_size")
     _check_not_empty("k_cache", k_cache, (*slot_dims, "H_kv", "head_dim"))
-    b, h_q, d = q.shape
+    b, h_q, d = q.shape[0], q.shape[-2], q.shape[-1]
     rows, slots, h_kv, d_k = k_cache.shape
     if d_k != d:
         raise ValueError(f"q has head_dim {d} but k_cache/v_cache have head_dim {d_k}")
@@ -454,11 +456,15 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     check_per_head("sink_logits", sink_logits, h_q, SINK_LOGITS_MEANING)
     _check_kv_scales(k_scale, v_scale, quantized=quantized, cache_dtype=k_cache.dtype, heads_kv=h_kv)
     if out is not None:
-        _check_out(out, q, "q", layout="[batch, heads_q, head_dim]")
+        _check_out(out, q, "q", layout="q's: [batch, heads_q, head_dim] or [batch, tokens, heads_q, head_dim]")
     check_per_head("alibi_slopes", alibi_slopes, h_q, ALIBI_MEANING)
     rotary_dim, rotary_positions = _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved,
                                                  heads_kv=h_kv)
-    rolling = _check_rolling(cache_capacity, capacity, window_size_left, num_sink_tokens)
+    if k_new is not None and queries > 1:
+        raise ValueError(f"k_new and v_new append one token per sequence, but q has {queries} (shape "
+                         f"{tuple(q.shape)} = [batch, tokens, heads_q, head_dim]): write draft tokens' K and V into "
+                         "the cache first and pass cache_seqlens with them, or pass one query token")
+    rolling = _check_rolling(cache_capacity, capacity, window_size_left, num_sink_tokens, queries)
     if cache_leftpad is not None:
         _check_index_tensor("cache_leftpad", cache_leftpad, rank=1, layout="[batch] int32")
         if cache_leftpad.shape[0] != b:
@@ -467,7 +473,27 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
             raise ValueError("cache_leftpad (left-padded sequences) and cache_capacity (a rolling cache) do not go "
                              "together: a rolling cache's rows follow token positions from 0; pass one of them")
     return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages, k_new is not None, rotary_dim,
-                            rotary_positions, rolling)
+                            rotary_positions, rolling, queries)
+
+
+def _check_decode_q(q, stage: int) -> int:
+    """q [batch, heads_q, head_dim], or from stage 9 [batch, tokens, heads_q, head_dim] (draft tokens: the
+    last ``tokens`` positions of each sequence). Returns the tokens per sequence."""
+    import torch
+
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        if stage < DECODE_EXTRAS_STAGE[0]:
+            raise NotImplementedError(
+                f"q of shape {tuple(q.shape)}, several query tokens per sequence ([batch, tokens, heads_q, "
+                f"head_dim], draft tokens), is not implemented in stage {stage}; stage {DECODE_EXTRAS_STAGE[0]} "
+                f"({DECODE_EXTRAS_STAGE[1]}) adds it. Here q is [batch, heads_q, head_dim]")
+        _check_tensor("q", q, rank=4, layout="[batch, tokens, heads_q, head_dim]")
+        return q.shape[1]
+    layout = "[batch, heads_q, head_dim]"
+    if stage >= DECODE_EXTRAS_STAGE[0]:
+        layout += " or, with draft tokens, [batch, tokens, heads_q, head_dim]"
+    _check_tensor("q", q, rank=3, layout=layout)
+    return 1
 
 
 ROTARY_DIM_MULTIPLE = 16  # the kernel rotates q and k_new 8 columns at a time, each half of rotary_dim whole
@@ -492,7 +518,7 @@ def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *
             raise ValueError("rotary_cos and rotary_sin rotate the new token's q and k: pass k_new and v_new too "
                              "(rotate q yourself when the cache is already written)")
         return 0, 0
-    b, _, d = q.shape
+    b, d = q.shape[0], q.shape[-1]
     layout = f"[batch, heads_kv, head_dim] = [{b}, {heads_kv}, {d}], q's dtype"
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         _check_tensor(name, t, rank=3, layout=layout)
@@ -538,22 +564,23 @@ def check_per_head(name: str, t, heads: int, meaning: str) -> None:
                          f"[{heads}] float32 tensor ({meaning})")
 
 
-def _check_rolling(cache_capacity, rows: int, window_size_left: int, num_sink_tokens: int) -> int:
+def _check_rolling(cache_capacity, rows: int, window_size_left: int, num_sink_tokens: int, queries: int = 1) -> int:
     """A rolling cache: cache_capacity rows of the cache hold token t at row t (t < num_sink_tokens) or
-    num_sink_tokens + (t - num_sink_tokens) mod (cache_capacity - num_sink_tokens), which keeps every key a
-    window can see only when window_size_left + 1 <= cache_capacity - num_sink_tokens. Returns the capacity
-    (0: a linear cache)."""
+    num_sink_tokens + (t - num_sink_tokens) mod (cache_capacity - num_sink_tokens), which keeps every key the
+    windows of the last ``queries`` tokens can see only when window_size_left + queries <= cache_capacity -
+    num_sink_tokens. Returns the capacity (0: a linear cache)."""
     if cache_capacity is None:
         return 0
     check_int32("cache_capacity", cache_capacity, minimum=1)
     if cache_capacity > rows:
         raise ValueError(f"cache_capacity = {cache_capacity} is more than the cache's {rows} rows per sequence "
                          "(S_max, or max_pages x page_size)")
-    if window_size_left < 0 or window_size_left + 1 > cache_capacity - num_sink_tokens:
+    if window_size_left < 0 or window_size_left + queries > cache_capacity - num_sink_tokens:
+        drafts = f" for each of the {queries} query tokens" if queries > 1 else ""
         raise ValueError(
             f"a rolling cache of cache_capacity = {cache_capacity} rows keeps the {num_sink_tokens} sink tokens and "
-            f"the last {cache_capacity - num_sink_tokens} tokens; it needs a window that fits: window_size_left "
-            f"from 0 to {cache_capacity - num_sink_tokens - 1}; got {window_size_left}")
+            f"the last {cache_capacity - num_sink_tokens} tokens; it needs a window that fits{drafts}: "
+            f"window_size_left from 0 to {cache_capacity - num_sink_tokens - queries}; got {window_size_left}")
     return cache_capacity
 
 

@@ -283,8 +283,18 @@ def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=No
                            window_size_left=-1, sink_logits=None, num_sink_tokens=0, alibi_slopes=None,
                            cache_capacity=None, cache_leftpad=None):
     """PyTorch's SDPA in the inputs' precision, sequence by sequence, with the decode contract's masks, sink,
-    ALiBi bias, rolling cache and left padding (no append: ``compare_decode_with_reference`` appends first)."""
+    ALiBi bias, rolling cache and left padding (no append: ``compare_decode_with_reference`` appends first);
+    draft tokens (q [B, n, H_q, D]) one token at a time, as the reference takes them."""
     import torch.nn.functional as F
+
+    options = dict(block_table=block_table, softmax_scale=softmax_scale, window_size_left=window_size_left,
+                   sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, alibi_slopes=alibi_slopes,
+                   cache_capacity=cache_capacity, cache_leftpad=cache_leftpad)
+    if q.dim() == 4:
+        n = q.shape[1]
+        return torch.stack([torch_decode_attention(
+            q[:, i], k_cache, v_cache, reference.draft_token_seqlens(cache_seqlens, n, i, cache_leftpad), **options)
+            for i in range(n)], dim=1)
 
     h_q, h_kv = q.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
@@ -377,7 +387,8 @@ def assert_lse_close(lse, ref_lse, where: str, index_names: str) -> None:
 
 def assert_decode_matches(out, inputs: dict, where: str = "", lse=None, **features) -> ErrorReport:
     """Fail with a readable message when a decode output (and LSE) is not what the reference computes."""
-    assert_no_nan(out, where, "[b, h, d]",
+    names = "[b, token, h, d]" if out.dim() == 4 else "[b, h, d]"
+    assert_no_nan(out, where, names,
                   "The output was NaN before the launch and the cache is NaN past every sequence's length: NaN "
                   "means an element was never written, a key past the length (or outside the sequence's pages) "
                   "was read, or a merge computed inf - inf or 0/0.")
@@ -388,12 +399,12 @@ def assert_decode_matches(out, inputs: dict, where: str = "", lse=None, **featur
         idx = [int(i) for i in torch.unravel_index(torch.tensor(worst), out.shape)]
         lengths = inputs["cache_seqlens"].tolist()
         raise AssertionError(
-            f"{where}: output differs from the reference: {report}. Worst element at [b, h, d] = {idx} "
+            f"{where}: output differs from the reference: {report}. Worst element at {names} = {idx} "
             f"(sequence length {lengths[idx[0]]})."
         )
     if lse is not None:
         _, ref_lse = reference.decode_attention(**inputs, **features, return_lse=True)
-        assert_lse_close(lse, ref_lse, where, "[b, h]")
+        assert_lse_close(lse, ref_lse, where, "[b, h, token]" if out.dim() == 4 else "[b, h]")
     return report
 
 

@@ -247,6 +247,13 @@ def new_token_positions(cache_seqlens, cache_leftpad=None) -> torch.Tensor:
     return cache_seqlens.long() - padding_rows(cache_leftpad, cache_seqlens)
 
 
+def draft_token_seqlens(cache_seqlens, n: int, i: int, cache_leftpad=None):
+    """The cache length draft token i of n sees, per sequence: the cache cut after the token's own position
+    cache_seqlens[b] - n + i (never before the sequence's first row: then it sees no key)."""
+    floor = padding_rows(cache_leftpad, cache_seqlens).to(cache_seqlens.dtype)
+    return torch.maximum(cache_seqlens - (n - 1 - i), floor)
+
+
 def decode_positions(cache_seqlens, *, window_size_left: int = -1, num_sink_tokens: int = 0, cache_leftpad=None,
                      device=None) -> list[torch.Tensor]:
     """Per sequence, the cache rows (token positions) of the keys its query sees: ``decode_visible_keys`` of
@@ -262,7 +269,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
                      k_scale=None, v_scale=None, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None,
                      rotary_interleaved=False, alibi_slopes=None, cache_capacity=None, cache_leftpad=None,
                      dtype=torch.float64):
-    """O [B, H_q, D] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``.
+    """O [B, H_q, D] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``;
+    of q [B, n, H_q, D], n draft tokens per sequence, O [B, n, H_q, D] and LSE [B, H_q, n]: token i is at
+    position cache_seqlens[b] - n + i and sees the keys a one-token decode of the cache cut after it sees.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D] or paged [num_pages,
     page_size, H_kv, D] with block_table [B, max_pages]; cache_seqlens [B].
@@ -280,6 +289,17 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     only). A sequence with no visible key gets O = 0 and LSE = -inf (or the
     sink logit).
     """
+    if q.dim() == 4:  # draft tokens: token i of n is a one-token decode of the cache cut after its position
+        n = q.shape[1]
+        results = [decode_attention(
+            q[:, i], k_cache, v_cache, draft_token_seqlens(cache_seqlens, n, i, cache_leftpad), block_table=block_table,
+            softmax_scale=softmax_scale, window_size_left=window_size_left, sink_logits=sink_logits,
+            num_sink_tokens=num_sink_tokens, return_lse=True, k_scale=k_scale, v_scale=v_scale,
+            alibi_slopes=alibi_slopes, cache_capacity=cache_capacity, cache_leftpad=cache_leftpad, dtype=dtype)
+            for i in range(n)]
+        o = torch.stack([o_i for o_i, _ in results], dim=1)
+        lse = torch.stack([lse_i for _, lse_i in results], dim=-1)
+        return (o, lse) if return_lse else o
     if k_new is not None:
         k_cache, v_cache = append_to_cache(
             k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table, rotary_cos=rotary_cos,
