@@ -31,6 +31,12 @@ rows come from and go to:
    ``seqused_k``) the slots past a sequence's length may hold anything, NaN
    included, and 0 x NaN is NaN: the tile that holds the last key gets its
    V rows past the end zeroed before the P V that reads them.
+5. A few query tokens per sequence against a paged cache (speculative
+   decoding's draft tokens, or one token) run on stage 9's decode kernel,
+   imported: its CTAs pack tokens x G rows per KV head into their MMAs and
+   split the keys among CTAs, where this kernel's 128-row Q tile would hold
+   tokens x G real rows and one CTA would read a sequence's keys alone
+   (``varlen.takes_draft_tokens`` says which calls).
 
 Run it:
     python -m course check 10 --impl solutions     # this stage's tests
@@ -46,6 +52,7 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 
 from course.runtime import launch, varlen
+from solutions import stage09_tc_decode  # draft tokens against a paged cache
 from solutions.stage08_fa3_prefill import (  # noqa: F401 (stage 8's kernel, solved: this stage adds to it)
     HEAD_DIMS,
     KV_STAGES,
@@ -638,7 +645,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         STAGE, VarlenAttention, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         seqused_k=seqused_k, block_table=block_table, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse,
-        out=out, check_lengths=check_lengths, alibi_slopes=alibi_slopes)
+        out=out, check_lengths=check_lengths, alibi_slopes=alibi_slopes, decode=stage09_tc_decode)
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -160,15 +160,17 @@ def check_full_sequence(config, dtype, ids):
     assert_within_yardstick(logits, baseline, expected, f"{config.model_type} {dtype}, full sequence")
 
 
-def check_incremental(config, dtype, ids, prompt, make_cache=None):
-    """The prompt through the prefill op, then one token per step through the decode op over the cache."""
+def check_incremental(config, dtype, ids, prompt, make_cache=None, step=1):
+    """The prompt through the prefill op, then ``step`` tokens per forward through the decode op over the cache
+    (one token, or draft tokens)."""
     reference = build(config, ids.device)
     with torch.no_grad():
         expected = reference(ids).logits[:, prompt - 1:]
         runs = {}
         for name in ("eager", "course"):
             model = models.in_dtype(reference, dtype, name)
-            runs[name] = models.incremental_logits(model, ids, prompt, make_cache(model) if make_cache else None)
+            runs[name] = models.incremental_logits(model, ids, prompt, make_cache(model) if make_cache else None,
+                                                   step=step)
     for step in range(expected.shape[1]):
         assert_within_yardstick(runs["course"][:, step], runs["eager"][:, step], expected[:, step],
                                 f"{config.model_type} {dtype}, position {prompt - 1 + step}")
@@ -208,12 +210,44 @@ def test_static_caches_on_the_reference(backed_by, family, make_cache):
     check_incremental(config, torch.bfloat16, token_ids(config, 2, 48, "cpu"), prompt=30, make_cache=make_cache)
 
 
+def counting_draft_calls(monkeypatch) -> list:
+    """The shapes of the queries the decode op gets with draft tokens (q [B, n, H_q, D]), recorded as it runs."""
+    calls, decode_attention = [], ops.decode_attention
+
+    def counted(q, *args, **kwargs):
+        if q.dim() == 4:
+            calls.append(tuple(q.shape))
+        return decode_attention(q, *args, **kwargs)
+    monkeypatch.setattr(ops, "decode_attention", counted)
+    return calls
+
+
+DRAFT_CACHES = {"dynamic": None, **STATIC_CACHES}
+
+
+@pytest.mark.parametrize("make_cache", DRAFT_CACHES.values(), ids=DRAFT_CACHES.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_draft_tokens_on_the_reference(backed_by, monkeypatch, family, make_cache):
+    """Forwards of 4 tokens over the cache (assisted generation's verification) run on the decode op as draft
+    tokens, windows sliding, next to eager at every position; with autograd on they stay on prefill."""
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    calls = counting_draft_calls(monkeypatch)
+    check_incremental(config, torch.bfloat16, token_ids(config, 2, 46, "cpu"), prompt=30, make_cache=make_cache,
+                      step=4)
+    assert calls and all(shape[:2] == (2, 4) for shape in calls), f"draft forwards on the decode op: {calls}"
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    before = len(calls)
+    models.incremental_logits(model, token_ids(config, 2, 34, "cpu"), 30, step=4)  # grad enabled, weights need it
+    assert len(calls) == before, "a forward autograd records must not take the decode op (it has no backward)"
+
+
 # ---------------------------------------------------------------- a quantized KV cache in the model
 
 QUANTIZED = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-def check_quantized(config, dtype, ids, prompt, cache_dtype, max_cache_len=None):
+def check_quantized(config, dtype, ids, prompt, cache_dtype, max_cache_len=None, step=1):
     """The course backend over ``models.quantized_cache`` (its decode steps read the cache as stored, with the
     scales), next to eager attention over the same cache dequantized (``dequantized=True``), against eager
     float32 over it: the usual yardstick, with the cache's rounding in all three. The logits must differ
@@ -225,8 +259,8 @@ def check_quantized(config, dtype, ids, prompt, cache_dtype, max_cache_len=None)
                                            ("course", dtype, "course")):
             model = models.in_dtype(reference, model_dtype, backend)
             cache = models.quantized_cache(model, cache_dtype, max_cache_len, dequantized=backend == "eager")
-            runs[name] = models.incremental_logits(model, ids, prompt, cache)
-        sixteen_bit = models.incremental_logits(models.in_dtype(reference, dtype, "course"), ids, prompt)
+            runs[name] = models.incremental_logits(model, ids, prompt, cache, step=step)
+        sixteen_bit = models.incremental_logits(models.in_dtype(reference, dtype, "course"), ids, prompt, step=step)
     where = f"{config.model_type} {dtype}, {cache_dtype} cache" + (f" of {max_cache_len} slots" if max_cache_len else "")
     for step in range(runs["course"].shape[1]):
         assert_within_yardstick(runs["course"][:, step], runs["eager"][:, step], runs["float32"][:, step],
@@ -241,6 +275,15 @@ def test_quantized_cache_on_the_reference(backed_by, family, cache_dtype, max_ca
     backed_by(impl="reference")
     config = cpu_config(family)
     check_quantized(config, torch.bfloat16, token_ids(config, 2, 48, "cpu"), 30, cache_dtype, max_cache_len)
+
+
+def test_quantized_cache_with_draft_tokens_on_the_reference(backed_by, monkeypatch):
+    """Draft tokens read a quantized cache as stored, like one-token steps."""
+    backed_by(impl="reference")
+    config = cpu_config("gpt-oss")
+    calls = counting_draft_calls(monkeypatch)
+    check_quantized(config, torch.bfloat16, token_ids(config, 2, 46, "cpu"), 30, torch.float8_e4m3fn, 64, step=4)
+    assert calls, "the draft forwards did not reach the decode op"
 
 
 @pytest.mark.parametrize("cache_dtype", QUANTIZED.values(), ids=QUANTIZED.keys())
@@ -590,6 +633,26 @@ def test_incremental_decode_on_gpu(kernels, family, dtype):
     """A 200-token prompt, then 20 single-token steps over the cache (the 128-token windows slide)."""
     config = gpu_config(family)
     check_incremental(config, dtype, token_ids(config, 2, 220, "cuda"), prompt=200)
+
+
+GPU_DRAFT_CACHES = {
+    "dynamic": None,
+    "StaticCache": lambda model: transformers.StaticCache(config=model.config, max_cache_len=256),
+    "graph-safe": lambda model: models.graph_safe_cache(model, max_cache_len=256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_cache", GPU_DRAFT_CACHES.values(), ids=GPU_DRAFT_CACHES.keys())
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_draft_tokens_on_gpu(kernels, monkeypatch, family, make_cache):
+    """A 200-token prompt, then forwards of 4 tokens over the cache on stage 9's draft tokens (the 128-token
+    windows slide), next to eager at every position."""
+    config = gpu_config(family)
+    calls = counting_draft_calls(monkeypatch)
+    check_incremental(config, torch.bfloat16, token_ids(config, 2, 220, "cuda"), prompt=200, make_cache=make_cache,
+                      step=4)
+    assert calls, "the draft forwards did not reach the decode op"
 
 
 @pytest.mark.gpu

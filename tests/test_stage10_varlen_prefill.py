@@ -188,6 +188,53 @@ def test_alibi_dense_attention(stage, causal):
                                      alibi_slopes=slopes)
 
 
+def varlen_shape(tokens=4, batch=3, heads_q=32, heads_kv=8, head_dim=128, page_size=64, total_q=None):
+    return validation.VarlenShape(batch, batch * tokens if total_q is None else total_q, 4096, heads_q, heads_kv,
+                                  head_dim, head_dim, page_size, 100 if page_size else 0)
+
+
+DRAFT_ROUTES = {  # name: (shape, max_seqlen_q, causal, window_size, stage 9 takes it)
+    "4-tokens-causal-paged": (varlen_shape(), 4, True, (-1, -1), True),
+    "window-right-0": (varlen_shape(), 4, False, (100, 0), True),
+    "one-token-not-causal": (varlen_shape(tokens=1), 1, False, (-1, -1), True),
+    "64-rows": (varlen_shape(tokens=8, heads_q=64), 8, True, (-1, -1), True),
+    "72-rows": (varlen_shape(tokens=9, heads_q=64), 9, True, (-1, -1), False),
+    "not-causal": (varlen_shape(), 4, False, (-1, -1), False),
+    "unequal-lengths": (varlen_shape(total_q=10), 4, True, (-1, -1), False),
+    "packed-keys": (varlen_shape(page_size=0), 4, True, (-1, -1), False),
+    "page-48": (varlen_shape(page_size=48), 4, True, (-1, -1), False),
+    "head-dim-96": (varlen_shape(head_dim=96), 4, True, (-1, -1), False),
+}
+
+
+@pytest.mark.parametrize("shape, max_seqlen_q, causal, window_size, routed", DRAFT_ROUTES.values(),
+                         ids=DRAFT_ROUTES.keys())
+def test_which_calls_stage_9_takes(shape, max_seqlen_q, causal, window_size, routed):
+    """A few query tokens per sequence, all sequences alike, each seeing the keys up to its own position, against
+    a paged cache stage 9 reads, at most DRAFT_ROWS rows per KV head: stage 9's decode kernel; else this stage's."""
+    decode = stages.get(9).load("solutions")
+    assert varlen.takes_draft_tokens(decode, shape, max_seqlen_q, causal, window_size) == routed
+
+
+DRAFT_FEATURES = {
+    "causal": dict(causal=True),
+    "window-sinks-alibi-lse": dict(window_size=(40, 0), num_sink_tokens=3, sinks=True, alibi=True, return_lse=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("features", list(DRAFT_FEATURES))
+@pytest.mark.parametrize("tokens, heads_q, heads_kv", [(4, 32, 8), (1, 16, 2), (8, 64, 8)], ids=["4x4", "1x8", "8x8"])
+def test_draft_tokens_through_stage_9(stage, tokens, heads_q, heads_kv, features):
+    """Equal query counts against a paged cache (stage 9's decode kernel computes them): lengths below, at and past
+    the token count, O and the LSE [H_q, total_q] per sequence as the reference's."""
+    lengths_k = [1, 3, 4, 5, 129, 4097]
+    inputs = testing.random_varlen_inputs([tokens] * len(lengths_k), lengths_k, heads_q, heads_kv, 128,
+                                          torch.bfloat16, page_size=64, seed=tokens)
+    run_varlen(stage, inputs, DRAFT_FEATURES[features], f"draft tokens {tokens}, {heads_q}/{heads_kv}, {features}",
+               heads_q=heads_q)
+
+
 @pytest.mark.gpu
 def test_many_sequences(stage):
     """More than 32 sequences (the scheduler's search takes 32 per step), most of them short, causal."""

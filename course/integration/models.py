@@ -8,8 +8,9 @@ Importing this module registers the backend with transformers'
 
 runs a GPT-OSS, Llama or Qwen-style model's attention on ``course::attention``
 (every multi-token forward: the prompt) and ``course::decode_attention``
-(one-token steps, over the model's KV cache); course/integration/ops.py says which stage
-backs each op. The mapping:
+(one-token steps, over the model's KV cache, and forwards of a few tokens with
+nothing for autograd, as assisted generation verifies a draft: stage 9's draft
+tokens); course/integration/ops.py says which stage backs each op. The mapping:
 
 - transformers' ``sliding_window = W`` shows a query the ``W`` keys ending at
   its own position (``kv_idx > q_idx - W``): the contract's ``window_size =
@@ -69,7 +70,7 @@ except ImportError as error:  # the optional extra
 
 from course import testing
 from course.integration import ops
-from course.runtime import kv_cache
+from course.runtime import kv_cache, validation, varlen
 
 NAME = "course"
 
@@ -293,10 +294,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D] views, no copy
     features = dict(softmax_scale=scaling, sink_logits=None if s_aux is None else s_aux.float().contiguous(),
                     window_size_left=window_left(sliding_window))
+    drafts = (kwargs.get("cu_seq_lens_q") is None and attention_mask is not PACKED_ROWS
+              and not isinstance(attention_mask, PaddedBatch) and draft_tokens(q, k, v))
     if k.dtype in kv_cache.QUANTIZED_DTYPES:  # a quantized_cache: the decode kernel reads it, the rest dequantized
         k_scale, v_scale = quantized_scales(module, key)
         if q.shape[1] == 1 and (not isinstance(attention_mask, PaddedBatch) or attention_mask.rows_are_runs()):
             return decode(q[:, 0], k, v, attention_mask, k_scale=k_scale, v_scale=v_scale, **features).unsqueeze(1), None
+        if drafts:
+            return decode(q, k, v, attention_mask, k_scale=k_scale, v_scale=v_scale, **features), None
         k, v = kv_cache.dequantize(k, k_scale, q.dtype), kv_cache.dequantize(v, v_scale, q.dtype)
     if kwargs.get("cu_seq_lens_q") is not None:
         return packed(q, k, v, kwargs, **features), None
@@ -308,11 +313,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return padded(q, k, v, attention_mask, **features), None
     if q.shape[1] == 1:
         return decode(q[:, 0], k, v, attention_mask, **features).unsqueeze(1), None
+    if drafts:
+        return decode(q, k, v, attention_mask, **features), None
     return prefill(q, k, v, attention_mask, **features), None
 
 
+def draft_tokens(q, k, v) -> bool:
+    """Whether a forward of a few tokens per sequence (``q`` [B, n, H_q, D], n > 1) runs on the decode
+    kernel as draft tokens: at most ``varlen.DRAFT_ROWS`` query rows per KV head (stage 10's rule for the
+    same choice), a head dim and a decode stage that take them, and nothing for autograd to record (the
+    decode op has no backward). It reads the cache in place, a static one's free slots included, where
+    prefill would cut the real keys out."""
+    backing = ops.backing()
+    return (1 < q.shape[1] and q.shape[1] * q.shape[2] // k.shape[2] <= varlen.DRAFT_ROWS
+            and q.shape[-1] in validation.DECODE_HEAD_DIMS and backing.decode >= validation.DECODE_EXTRAS_STAGE[0]
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+
+
 def decode(q, k, v, key_counts, **features):
-    """One query token per sequence against the cache: ``course::decode_attention``. ``key_counts``: the
+    """One query token per sequence (``q`` [B, H_q, D]), or a few (draft tokens, [B, n, H_q, D]), against
+    the cache: ``course::decode_attention``. ``key_counts``: the
     real keys per sequence (``visible_key_counts``), or a ``PaddedBatch`` whose rows are runs (the
     padding before each run skipped with ``cache_leftpad``); None (a caller without transformers'
     mask): all."""
@@ -453,9 +473,10 @@ def in_dtype(model, dtype, attn_implementation: str):
     return copied
 
 
-def incremental_logits(model, ids, prompt: int, cache=None, attention_mask=None):
+def incremental_logits(model, ids, prompt: int, cache=None, attention_mask=None, step: int = 1):
     """Logits [B, S - prompt + 1, V] at positions prompt - 1 ... S - 1 of ``ids`` [B, S]: the first ``prompt``
-    tokens in one forward (prefill), then one token per forward over the KV cache (decode steps).
+    tokens in one forward (prefill), then ``step`` tokens per forward over the KV cache (decode steps; with
+    ``step`` > 1 as assisted generation verifies a draft).
 
     ``cache``: the transformers cache to fill (a DynamicCache when None). ``attention_mask`` [B, S]: 0 at
     padding; each forward gets the mask of the tokens so far and, as ``generate`` does, positions that
@@ -471,10 +492,10 @@ def incremental_logits(model, ids, prompt: int, cache=None, attention_mask=None)
         return model(ids[:, start:end], attention_mask=mask, position_ids=positions, past_key_values=cache,
                      use_cache=True)
 
-    logits = [forward(0, prompt).logits[:, -1]]
-    for i in range(prompt, ids.shape[1]):
-        logits.append(forward(i, i + 1).logits[:, -1])
-    return torch.stack(logits, dim=1)
+    logits = [forward(0, prompt).logits[:, -1:]]
+    for i in range(prompt, ids.shape[1], step):
+        logits.append(forward(i, min(i + step, ids.shape[1])).logits)
+    return torch.cat(logits, dim=1)
 
 
 def graph_safe_cache(model, max_cache_len: int):

@@ -111,7 +111,8 @@ RAGGED = (
     *(RaggedShape("4 chunks of 1024 after 15k", (1024,) * 4, (16384,) * 4, 32, 8, page_size=page)
       for page in (0, 16, 64, 256)),
     *(RaggedShape("2 chunks of 2048 after 62k", (2048,) * 2, (65536,) * 2, 32, 8, page_size=page) for page in (0, 64)),
-    *(RaggedShape(f"{b} x 4 draft tokens, 8k cache", (4,) * b, (8192,) * b, 32, 8, page_size=64) for b in (1, 8, 64)),
+    *(RaggedShape(f"{b} x {n} draft tokens, 8k cache", (n,) * b, (8192,) * b, h_q, 8, page_size=64)
+      for b, n, h_q in ((1, 4, 32), (8, 4, 32), (64, 4, 32), (8, 2, 32), (8, 8, 32), (8, 4, 64), (64, 8, 64))),
 )
 
 # Stage 11: the FA3 paper's backward sweep (B * S = 16k, H * D = 2048), D 64 and 128, causal and not, in bf16.

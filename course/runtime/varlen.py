@@ -103,20 +103,21 @@ _PLANS: dict = {}
 def attention_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                      seqused_k=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                      sink_logits=None, num_sink_tokens=0, return_lse=False, out=None, check_lengths=None,
-                     alibi_slopes=None):
+                     alibi_slopes=None, decode=None):
     """Validate (once per signature), compile once per configuration, launch; return O (and LSE [H_q, total_q]).
 
     With ``check_lengths`` (or ``COURSE_CHECK_LENGTHS=1``) the offsets, lengths and pages are read on
     the host and checked (``validation.check_varlen_values``): a synchronization with the GPU.
+    ``decode``: a decode stage's module (stage 9's) that takes the calls ``takes_draft_tokens`` picks.
     """
-    key = (kernel_class, *launch.signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           seqused_k, block_table, softmax_scale, causal, window_size, sink_logits,
-                                           num_sink_tokens, return_lse, out, alibi_slopes))
+    key = (kernel_class, decode, *launch.signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   seqused_k, block_table, softmax_scale, causal, window_size,
+                                                   sink_logits, num_sink_tokens, return_lse, out, alibi_slopes))
     run = launch.cached_plan(_PLANS, key, lambda: plan_varlen(
         stage, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         sink_logits=sink_logits, num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=out,
-        alibi_slopes=alibi_slopes))
+        alibi_slopes=alibi_slopes, decode=decode))
     if launch.check_device_values(check_lengths):
         validation.check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                        seqused_k=seqused_k, block_table=block_table)
@@ -125,7 +126,7 @@ def attention_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens
 
 def plan_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 seqused_k, block_table, softmax_scale, causal, window_size, sink_logits, num_sink_tokens,
-                return_lse, out, alibi_slopes=None):
+                return_lse, out, alibi_slopes=None, decode=None):
     """Everything ``attention_varlen`` does that depends only on the call's signature; returns
     ``run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out, alibi_slopes)``."""
     shape = validation.check_varlen_inputs(
@@ -135,6 +136,9 @@ def plan_varlen(stage: int, kernel_class, q, k, v, cu_seqlens_q, cu_seqlens_k, m
     validation.check_per_head("alibi_slopes", alibi_slopes, shape.heads_q, validation.ALIBI_MEANING)
     validation.check_on_gpu(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                             block_table=block_table, sink_logits=sink_logits, out=out, alibi_slopes=alibi_slopes)
+    if decode is not None and takes_draft_tokens(decode, shape, max_seqlen_q, causal, window_size):
+        return _plan_draft_tokens(decode, shape, max_seqlen_q, causal=causal, window_size=window_size,
+                                  softmax_scale=softmax_scale, num_sink_tokens=num_sink_tokens, return_lse=return_lse)
     return _plan_launch(kernel_class, q, shape, causal=causal, window_size=window_size, sink_logits=sink_logits,
                         num_sink_tokens=num_sink_tokens, softmax_scale=softmax_scale, return_lse=return_lse,
                         paged=block_table is not None, has_seqused_k=seqused_k is not None,
@@ -180,6 +184,45 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
         return (out, lse[0]) if return_lse else out
 
     return run
+
+
+# --8<-- [start:draft_tokens]
+# Query rows per KV head (tokens x G) up to which a few tokens per sequence against a paged cache run on
+# the decode kernel: its CTAs hold up to 64 rows (4 row tiles) and split the keys among CTAs, where a
+# prefill CTA computes 128 query rows, of which tokens x G are real, over all of a sequence's keys.
+DRAFT_ROWS = 64
+
+
+def takes_draft_tokens(decode, shape: validation.VarlenShape, max_seqlen_q: int, causal: bool, window_size) -> bool:
+    """Whether the ``decode`` stage computes this call: every sequence has max_seqlen_q query tokens
+    (total_q = B x max_seqlen_q, none longer), the last ones of its keys in a paged cache, each seeing
+    the keys up to its own position (causal, or one token) as the decode stage's draft tokens do, at most
+    DRAFT_ROWS rows per KV head, and a head dim and page size the decode stage takes."""
+    _, right = validation.resolve_window(causal, window_size)
+    return (shape.page_size in decode.PAGE_SIZES and max_seqlen_q >= 1 and shape.total_q == shape.batch * max_seqlen_q
+            and (right == 0 or max_seqlen_q == 1) and max_seqlen_q * shape.heads_q // shape.heads_kv <= DRAFT_ROWS
+            and shape.head_dim == shape.head_dim_v and shape.head_dim in decode.HEAD_DIMS)
+
+
+def _plan_draft_tokens(decode, shape: validation.VarlenShape, tokens: int, *, causal, window_size, softmax_scale,
+                       num_sink_tokens, return_lse):
+    """The call as ``decode.decode_attention`` on q [B, tokens, H_q, D] (packed rows, seen so), the cache
+    lengths ``seqused_k``; O written in place, the LSE [B, H_q, tokens] returned as [H_q, total_q]."""
+    left, _ = validation.resolve_window(causal, window_size)
+    as_tokens = (shape.batch, tokens, shape.heads_q, shape.head_dim)
+
+    def run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out, alibi_slopes=None):
+        result = out if out is not None else q.new_empty(q.shape)
+        o = decode.decode_attention(q.view(as_tokens), k, v, seqused_k, block_table=block_table,
+                                    softmax_scale=softmax_scale, window_size_left=left, sink_logits=sink_logits,
+                                    num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=result.view(as_tokens),
+                                    alibi_slopes=alibi_slopes, check_lengths=False)
+        if not return_lse:
+            return result
+        return result, o[1].permute(1, 0, 2).reshape(shape.heads_q, shape.total_q)
+
+    return run
+# --8<-- [end:draft_tokens]
 
 
 # ---------------------------------------------------------------- [B, S, H, D] through the same kernel

@@ -21,7 +21,7 @@ from functools import partial
 from importlib import metadata
 from pathlib import Path
 
-from course.runtime import stages
+from course.runtime import stages, varlen
 from course.runtime.shapes import DecodeShape, PrefillShape, RaggedShape
 from course.tools import results as results_page
 
@@ -410,8 +410,9 @@ def ragged_inputs(shape: RaggedShape) -> dict:
 def ragged_calls(shape: RaggedShape, inputs: dict, modules: dict) -> dict:
     """{name: (stage, fn())} of one ragged shape: stage 10, FA4's varlen kernel, and (packed batches of
     whole prompts) stage 8 on the batch padded to its longest sequence, or (a few draft tokens against a
-    cache) stage 9 decoding one token per sequence on the same cache. The comparisons have no stage
-    number: their rows belong to stage 10's table, not to stage 8's or 9's."""
+    cache, which stage 10 hands to stage 9's decode kernel) stage 10's own prefill kernel on them and
+    stage 9 decoding one token per sequence on the same cache. The comparisons have no stage number:
+    their rows belong to stage 10's table, not to stage 8's or 9's."""
     import torch
 
     calls = {"stage 10": (10, lambda: modules[10].attention_varlen(**inputs, causal=shape.causal))}
@@ -423,6 +424,8 @@ def ragged_calls(shape: RaggedShape, inputs: dict, modules: dict) -> dict:
         last = inputs["q"].view(batch, -1, shape.heads_q, shape.head_dim)[:, -1].contiguous()
         calls["stage 9, one token"] = (None, lambda: modules[9].decode_attention(
             last, inputs["k"], inputs["v"], inputs["seqused_k"], block_table=inputs["block_table"]))
+        calls["stage 10, prefill kernel"] = (None, lambda: varlen.attention_varlen(
+            10, modules[10].VarlenAttention, **inputs, causal=shape.causal))
     elif not shape.page_size and 8 in modules:
         padded = batch * max(shape.lengths_q) * shape.heads_q * shape.head_dim * 2
         if padded < 4 << 30:  # the padded batch must fit next to everything else
