@@ -242,6 +242,33 @@ def test_draft_tokens_on_the_reference(backed_by, monkeypatch, family, make_cach
     assert len(calls) == before, "a forward autograd records must not take the decode op (it has no backward)"
 
 
+def assisted_generation(model, assistant, ids, new_tokens: int = 12):
+    """Greedy ``generate`` of ``model`` alone and with ``assistant`` proposing 3 tokens per step (speculative
+    decoding: the model verifies each draft in one forward of 4 tokens), with their logits."""
+    assistant.generation_config.num_assistant_tokens = 3
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0  # a random assistant drafts all 3 anyway
+    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                   return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        return model.generate(ids, **options), model.generate(ids, assistant_model=assistant, **options)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_assisted_generation_on_the_reference(backed_by, monkeypatch, family):
+    """``generate(assistant_model=...)``: the course model verifies each draft on the decode op (draft tokens)
+    and generates the tokens it generates alone."""
+    backed_by(impl="reference")
+    config = cpu_config(family)
+    reference = build(config, "cpu")
+    calls = counting_draft_calls(monkeypatch)
+    alone, assisted = assisted_generation(models.in_dtype(reference, torch.bfloat16, "course"),
+                                          models.in_dtype(reference, torch.bfloat16, "eager"),
+                                          token_ids(config, 1, 30, "cpu"))
+    assert calls and all(shape[1] == 4 for shape in calls), f"the drafts' verification on the decode op: {calls}"
+    assert_same_greedy_generation(assisted, alone, f"{family}, assisted generation")
+
+
 # ---------------------------------------------------------------- a quantized KV cache in the model
 
 QUANTIZED = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
@@ -653,6 +680,21 @@ def test_draft_tokens_on_gpu(kernels, monkeypatch, family, make_cache):
     check_incremental(config, torch.bfloat16, token_ids(config, 2, 220, "cuda"), prompt=200, make_cache=make_cache,
                       step=4)
     assert calls, "the draft forwards did not reach the decode op"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt-oss", "llama"])
+def test_assisted_generation_on_gpu(kernels, monkeypatch, family):
+    """Speculative decoding with an assistant on the kernels: the drafts verified on stage 9's draft tokens give
+    the tokens the model generates alone."""
+    config = gpu_config(family)
+    reference = build(config, "cuda")
+    calls = counting_draft_calls(monkeypatch)
+    alone, assisted = assisted_generation(models.in_dtype(reference, torch.bfloat16, "course"),
+                                          models.in_dtype(reference, torch.bfloat16, "eager"),
+                                          token_ids(config, 1, 200, "cuda"), new_tokens=20)
+    assert calls, "the drafts' verification did not reach the decode op"
+    assert_same_greedy_generation(assisted, alone, f"{family}, assisted generation")
 
 
 @pytest.mark.gpu
