@@ -6,6 +6,7 @@ torch.compile), and the inputs the backend refuses. Hopper GPU: the same models 
 fp16, within 2x of transformers' eager error against eager fp32; torch.compile; a CUDA graph of a decode step.
 """
 
+import copy
 import dataclasses
 import math
 from types import SimpleNamespace
@@ -403,6 +404,32 @@ def test_torch_compile_fullgraph_of_a_model(backed_by, fresh_dynamo, family):
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_draft_tokens_under_torch_compile(backed_by, fresh_dynamo, monkeypatch):
+    """A forward of 4 tokens over a cache, traced whole (fullgraph): the decode op with draft tokens, through
+    its fake implementation, gives the eager forward's logits."""
+    backed_by(impl="reference")
+    config = cpu_config("gpt-oss")
+    model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
+    ids = token_ids(config, 2, 34, "cpu")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    calls, decode = [], ops._decode  # behind the op and the eager shortcut alike
+
+    def counted(q, *args, **kwargs):
+        calls.append(tuple(q.shape))
+        return decode(q, *args, **kwargs)
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids[:, :30], past_key_values=cache, use_cache=True)
+        twin = copy.deepcopy(cache)
+        monkeypatch.setattr(ops, "_decode", counted)
+        expected = model(ids[:, 30:], past_key_values=cache, use_cache=True).logits
+        eager_calls = len(calls)
+        got = compiled(ids[:, 30:], past_key_values=twin, use_cache=True).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert eager_calls and len(calls) == 2 * eager_calls and all(shape[1] == 4 for shape in calls), (
+        f"both forwards' layers on the decode op with 4 draft tokens: {calls}")
 
 
 # ---------------------------------------------------------------- what the backend refuses (CPU)

@@ -349,7 +349,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scale, w
 def decode_attention(q, k_cache, v_cache, cache_seqlens, block_table=None, sink_logits=None, softmax_scale=None,
                      window_size_left=-1, num_sink_tokens=0, num_splits=0, check_lengths=None, k_scale=None,
                      v_scale=None, alibi_slopes=None, cache_capacity=None, cache_leftpad=None):
-    """Decode attention (docs/contract.md): one query token per sequence, O [B, H_q, D].
+    """Decode attention (docs/contract.md): one query token per sequence, O [B, H_q, D], or (stage 9) n draft
+    tokens per sequence, q and O [B, n, H_q, D].
 
     ``check_lengths``: as the stage's ``decode_attention`` (``None``: only
     with ``COURSE_CHECK_LENGTHS=1``, as reading the lengths on the host waits
