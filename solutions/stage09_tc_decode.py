@@ -1170,21 +1170,6 @@ class TensorCoreDecode:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         acc_o.fill(0.0)
-        if cutlass.const_expr(self.appends):
-            # The new token is split 0's first key, in the first warp of each row tile, whose state starts
-            # from it (q . k_new over the columns each thread holds of Q, added up by the quad). No other
-            # CTA reads its row, which one CTA writes (write_new_token) from its last warp, so that the
-            # first warp, which starts from the new token, does not also write it before its first key.
-            if split == 0 and key_group == 0:
-                new_score = cute.make_rmem_tensor((2,), Float32)
-                new_score.fill(0.0)
-                self.new_token_score(mKNew, angles, batch, head_kv, kq, k_scale,
-                                     s_q[tile, lane, None, None] if self.q_in_shared else r_q_pieces, new_score)
-                self.start_with_new_token(mVNew, batch, head_kv, kq, v_scale, new_score, score_scale,
-                                          row_max, row_sum, acc_o)
-            if split == 0 and head_chunk == 0 and warp_idx == self.num_warps - 1 and g == 0:
-                self.write_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
-                                     kq, k_scale, v_scale)
         alibi_log2 = cute.make_rmem_tensor((2,), Float32)  # the thread's rows' slopes, in log2 units
         if cutlass.const_expr(self.alibi):
             for r in cutlass.range_constexpr(2):
@@ -1198,6 +1183,16 @@ class TensorCoreDecode:
                 token = (head_chunk * self.rows + ROWS * tile + g + 8 * r) // mQ.shape[1][0]
                 q_pos[r] = seqlen - mQ.shape[1][1] + token
                 q_first[r] = Int32(cutlass.select_(window_left < 0, Int32(0), q_pos[r] - window_left))
+        # One CTA per (sequence, KV head) writes the new token's row, from its last warp (the first one starts
+        # from the new token, below); no CTA of the launch reads that row from the cache. The writer does it
+        # once its first copies are issued, so that its loads of k_new and v_new wait while they fly; at
+        # D = 256, where the registers are short, before (holding the pieces across the copies' issue spills).
+        if cutlass.const_expr(self.appends):
+            writer = (split == 0) & (head_chunk == 0) & (warp_idx == self.num_warps - 1) & (g == 0)
+        if cutlass.const_expr(self.appends and self.q_in_shared):
+            if writer:
+                self.write_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
+                                     kq, k_scale, v_scale)
         # Paged cache: entry st < STAGES - 1 holds this lane's page of prologue iteration st's copies,
         # the last one that of the next copies the loop issues.
         r_pages = cute.make_rmem_tensor((STAGES,), Int32)
@@ -1219,6 +1214,20 @@ class TensorCoreDecode:
                 issue_loads(sK_warp[st, None, None, None], sV_warp[st, None, None, None], mK, mV, r_pages[st],
                             batch, head_kv, warp_first + st * step, v_end, n_sink, lo, rows, lane)
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
+        if cutlass.const_expr(self.appends):
+            # The new token is split 0's first key, in the first warp of each row tile, whose state starts
+            # from it (q . k_new over the columns each thread holds of Q, added up by the quad).
+            if split == 0 and key_group == 0:
+                new_score = cute.make_rmem_tensor((2,), Float32)
+                new_score.fill(0.0)
+                self.new_token_score(mKNew, angles, batch, head_kv, kq, k_scale,
+                                     s_q[tile, lane, None, None] if self.q_in_shared else r_q_pieces, new_score)
+                self.start_with_new_token(mVNew, batch, head_kv, kq, v_scale, new_score, score_scale,
+                                          row_max, row_sum, acc_o)
+            if cutlass.const_expr(not self.q_in_shared):
+                if writer:
+                    self.write_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
+                                         kq, k_scale, v_scale)
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
             cute.arch.cp_async_wait_group(STAGES - 2)  # this lane's copies of iteration it have landed...
