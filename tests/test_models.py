@@ -212,14 +212,15 @@ def test_static_caches_on_the_reference(backed_by, family, make_cache):
 
 
 def counting_draft_calls(monkeypatch) -> list:
-    """The shapes of the queries the decode op gets with draft tokens (q [B, n, H_q, D]), recorded as it runs."""
-    calls, decode_attention = [], ops.decode_attention
+    """The shapes of the queries the decode op gets with draft tokens (q [B, n, H_q, D]), recorded as it runs:
+    behind the op (a traced model's call) and its eager shortcut alike."""
+    calls, decode = [], ops._decode
 
     def counted(q, *args, **kwargs):
         if q.dim() == 4:
             calls.append(tuple(q.shape))
-        return decode_attention(q, *args, **kwargs)
-    monkeypatch.setattr(ops, "decode_attention", counted)
+        return decode(q, *args, **kwargs)
+    monkeypatch.setattr(ops, "_decode", counted)
     return calls
 
 
@@ -414,16 +415,11 @@ def test_draft_tokens_under_torch_compile(backed_by, fresh_dynamo, monkeypatch):
     model = models.in_dtype(build(config, "cpu"), torch.bfloat16, "course")
     ids = token_ids(config, 2, 34, "cpu")
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    calls, decode = [], ops._decode  # behind the op and the eager shortcut alike
-
-    def counted(q, *args, **kwargs):
-        calls.append(tuple(q.shape))
-        return decode(q, *args, **kwargs)
     with torch.no_grad():
         cache = transformers.DynamicCache(config=model.config)
         model(ids[:, :30], past_key_values=cache, use_cache=True)
         twin = copy.deepcopy(cache)
-        monkeypatch.setattr(ops, "_decode", counted)
+        calls = counting_draft_calls(monkeypatch)
         expected = model(ids[:, 30:], past_key_values=cache, use_cache=True).logits
         eager_calls = len(calls)
         got = compiled(ids[:, 30:], past_key_values=twin, use_cache=True).logits

@@ -727,6 +727,17 @@ def test_left_padding_is_the_sequence_moved_to_row_0():
     torch.testing.assert_close(padded_lse, expected_lse, rtol=0, atol=1e-6)
 
 
+def feature_options(features: dict, heads_q: int) -> dict:
+    """A case's decode options, with ALiBi slopes and sink logits made for its heads where it names them
+    (``alibi``, ``sink_logits``; ``leftpad`` is the case's own)."""
+    options = {k: v for k, v in features.items() if k not in ("alibi", "sink_logits", "leftpad")}
+    if features.get("alibi"):
+        options["alibi_slopes"] = testing.alibi_slopes(heads_q)
+    if features.get("sink_logits"):
+        options["sink_logits"] = torch.randn(heads_q, device="cuda")
+    return options
+
+
 LEFTPAD_CASES = {  # name: (H_q, H_kv, layout, cache, features)
     "gqa-contiguous": (32, 8, "contiguous", "16-bit", {}),
     "mqa-paged16-window-sinks": (16, 1, "paged16", "fp8", {"window_size_left": 90, "num_sink_tokens": 3}),
@@ -747,11 +758,7 @@ def test_left_padded_sequences(stage, heads_q, heads_kv, layout, cache, features
                                           page_size=LAYOUTS[layout], seed=heads_q)
     inputs, scales = quantized(inputs, cache)
     poison_padding(inputs, padding)
-    options = {name: value for name, value in features.items() if name not in ("alibi", "sink_logits")}
-    if features.get("alibi"):
-        options["alibi_slopes"] = testing.alibi_slopes(heads_q)
-    if features.get("sink_logits"):
-        options["sink_logits"] = torch.randn(heads_q, device="cuda")
+    options = feature_options(features, heads_q)
     options.update(cache_leftpad=torch.tensor(padding, dtype=torch.int32, device="cuda"), **scales)
     plan = variant_plan(stage, variant, heads_q, heads_kv)
     where = f"left padding H_q={heads_q} H_kv={heads_kv} {layout} {cache} {features} {variant}"
@@ -907,18 +914,6 @@ DRAFT_CASES = {  # name: (n, H_q, H_kv, D, dtype, layout, cache, features)
 }
 
 
-def draft_options(features: dict, heads_q: int, lengths: list[int]) -> dict:
-    """A case's decode options: ALiBi slopes, sink logits and a left padding made for its sizes."""
-    options = {k: v for k, v in features.items() if k not in ("alibi", "sink_logits", "leftpad")}
-    if features.get("alibi"):
-        options["alibi_slopes"] = testing.alibi_slopes(heads_q)
-    if features.get("sink_logits"):
-        options["sink_logits"] = torch.randn(heads_q, device="cuda")
-    if features.get("leftpad"):
-        options["cache_leftpad"] = torch.tensor([n // 3 for n in lengths], dtype=torch.int32, device="cuda")
-    return options
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [None, "tiles", "warps8"], ids=["auto", "most-tiles", "warps8"])
 @pytest.mark.parametrize("n, heads_q, heads_kv, head_dim, dtype, layout, cache, features", DRAFT_CASES.values(),
@@ -932,9 +927,11 @@ def test_draft_tokens(stage, n, heads_q, heads_kv, head_dim, dtype, layout, cach
     inputs, scales = quantized(inputs, cache)
     gen = torch.Generator(device="cuda").manual_seed(n)
     q = torch.randn(len(DRAFT_LENGTHS), n, heads_q, head_dim, generator=gen, device="cuda").to(inputs["q"].dtype)
-    options = {**draft_options(features, heads_q, DRAFT_LENGTHS), **scales}
-    if options.get("cache_leftpad") is not None:
-        poison_padding(inputs, options["cache_leftpad"].tolist())
+    options = {**feature_options(features, heads_q), **scales}
+    if features.get("leftpad"):
+        padding = [n // 3 for n in DRAFT_LENGTHS]
+        options["cache_leftpad"] = torch.tensor(padding, dtype=torch.int32, device="cuda")
+        poison_padding(inputs, padding)
     plan = variant_plan(stage, variant, n * heads_q, heads_kv, head_dim)
     where = f"{n} draft tokens H_q={heads_q} H_kv={heads_kv} D={head_dim} {layout} {cache} {features} {variant}"
     for num_splits in (1, 5, 0):
