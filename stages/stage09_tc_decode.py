@@ -135,7 +135,7 @@ RESCALE_THRESHOLD = 8.0
 # token strides (lane_copies): token strides from 2**27 elements on are rejected before launch.
 MAX_TOKEN_STRIDE = 2**27
 # The most registers ptxas uses (sm_90a, any config), by (head dim, cache bytes per element).
-REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 255, (256, 2): 255, (64, 1): 166, (128, 1): 226, (256, 1): 254}
+REGISTERS_PER_THREAD = {(64, 2): 166, (128, 2): 255, (256, 2): 255, (64, 1): 168, (128, 1): 226, (256, 1): 254}
 
 
 def cache_bytes(cache_dtype: str) -> int:
@@ -511,12 +511,16 @@ class TensorCoreDecode:
     ):
         work_words = work_bytes(self.head_dim, self.cache_name, self.num_warps) // 4
         q_words = q_fragment_bytes(self.head_dim, self.row_tiles) // 4
+        new_words = new_token_bytes(self.head_dim, self.cache_name, self.appends) // 4
+        q_rows_words = rotated_q_bytes(self.head_dim, self.row_tiles, self.rotary) // 4
 
         @cute.struct
         class SharedStorage:
             # First the cp.async ring (K, then V), then (same bytes) the warps' states for the merge.
             work: cute.struct.Align[cute.struct.MemRange[Float32, work_words], 128]
             q_fragment: cute.struct.Align[cute.struct.MemRange[Float32, q_words], 16]
+            new_token: cute.struct.Align[cute.struct.MemRange[Float32, new_words], 16]
+            q_rows: cute.struct.Align[cute.struct.MemRange[Float32, q_rows_words], 16]
             flag: cute.struct.MemRange[Int32, 1]
 
         self.shared_storage = SharedStorage
@@ -714,11 +718,20 @@ class TensorCoreDecode:
         return piece
 
     @cute.jit
-    def q_piece(self, q_row: cute.Tensor, angles: tuple, chunk: Int32) -> cute.Tensor:
-        """Piece ``chunk`` of a query row in the MMA's type (rotated with rotary)."""
-        piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
-        piece.store(self.rotated_piece(q_row, angles, chunk).load().to(self.mma_dtype))
-        return piece
+    def stage_rotated_q(self, mQ: cute.Tensor, batch: Int32, first_head: Int32, heads_here: Int32, angles: tuple,
+                        tidx: Int32, s_q_rows: cute.Tensor):
+        """The CTA's query rows after RoPE into ``s_q_rows`` [rows, D] (spare rows repeat the last real
+        head): each thread rotates 8 columns at a time, a piece of the CTA's rows after another, so that
+        every piece is rotated once, not once per warp that holds it, and its loads wait once."""
+        cos_row, sin_row = angles
+        per_row = self.head_dim // ROTARY_CHUNK
+        turned = cute.make_rmem_tensor((ROTARY_CHUNK,), Float32)
+        for i in cutlass.range(tidx, self.rows * per_row, self.num_threads, unroll=1):
+            row, chunk = i // per_row, i % per_row
+            head = first_head + cutlass.min(row, heads_here - 1)
+            rotated_columns(mQ[batch, head, None], cos_row, sin_row, chunk * ROTARY_CHUNK, 2 * cos_row.shape[0],
+                            self.rotary == "interleaved", turned)
+            cute.local_tile(s_q_rows[row, None], (ROTARY_CHUNK,), (chunk,)).store(turned.load().to(self.q_dtype))
 
     @cute.jit
     def as_stored(self, values: cute.Tensor, scale: Float32) -> cute.Tensor:
@@ -742,13 +755,49 @@ class TensorCoreDecode:
         return self.as_stored(piece, k_scale)
 
     @cute.jit
-    def new_token_score(self, mKNew: cute.Tensor, angles: tuple, batch: Int32, head_kv: Int32, kq: Int32,
-                        k_scale: Float32, q_pieces: cute.Tensor, new_score: cute.Tensor):
+    def stage_new_token(self, mK: cute.Tensor, mV: cute.Tensor, mKNew: cute.Tensor, mVNew: cute.Tensor,
+                        angles: tuple, mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32, position: Int32,
+                        rows: tuple, tidx: Int32, k_scale: Float32, v_scale: Float32, s_new: cute.Tensor,
+                        writes):
+        """The new token's K row (rotated) and V row as the cache stores them, into ``s_new`` [2, D]: thread
+        t < D / piece makes K's piece t, the next D / piece threads V's. With ``writes`` (one CTA per
+        sequence and KV head) they also write their pieces to the cache at ``position`` (its slot in a
+        rolling cache)."""
+        row = position
+        if cutlass.const_expr(self.rolling):
+            row = rolling_slot(position, rows[1], rows[2])
+        piece = tidx % self.chunks
+        if tidx < 2 * self.chunks:
+            stored = cute.make_rmem_tensor((self.k_elems,), self.cache_dtype)
+            if tidx < self.chunks:
+                stored.store(self.new_token_k(mKNew, angles, batch, head_kv, piece, k_scale).load())
+            else:
+                values = cute.make_rmem_tensor((self.k_elems,), self.q_dtype)
+                cute.autovec_copy(cute.local_tile(mVNew[batch, head_kv, None], (self.k_elems,), (piece,)), values)
+                stored.store(self.as_stored(values, v_scale).load())
+            which = tidx // self.chunks  # 0: K, 1: V
+            cute.autovec_copy(stored, cute.local_tile(s_new[which, None], (self.k_elems,), (piece,)))
+            if writes:
+                page_or_batch = batch
+                if cutlass.const_expr(self.paged):
+                    page_shift = cute.arch.log2_of_pow2_int(Int32(mK.shape[1]))
+                    page_or_batch = mBlockTable[batch, row >> page_shift]
+                if tidx < self.chunks:
+                    k_row = self.kv_rows(mK, page_or_batch, row, head_kv)[0, None]
+                    cute.autovec_copy(stored, cute.local_tile(k_row, (self.k_elems,), (piece,)))
+                else:
+                    v_row = self.kv_rows(mV, page_or_batch, row, head_kv)[0, None]
+                    cute.autovec_copy(stored, cute.local_tile(v_row, (self.k_elems,), (piece,)))
+
+    @cute.jit
+    def new_token_score(self, s_new: cute.Tensor, kq: Int32, q_pieces: cute.Tensor, new_score: cute.Tensor):
         """Add this thread's part of q . k_new for its two rows to ``new_score``: over the K columns it holds
-        (pieces 4p + kq), with Q's fragment values for them from ``q_pieces`` [D / 16, 8] (r_q, or its copy
-        in shared memory at D = 256, where the registers are short). The quad adds its four parts."""
+        (pieces 4p + kq of the staged row), with Q's fragment values for them from ``q_pieces`` [D / 16, 8]
+        (r_q, or its copy in shared memory at D = 256, where the registers are short). The quad adds its
+        four parts."""
+        k_new = cute.make_rmem_tensor((self.k_elems,), self.cache_dtype)
         for p in cutlass.range_constexpr(self.k_pieces):
-            k_new = self.new_token_k(mKNew, angles, batch, head_kv, 4 * p + kq, k_scale)
+            cute.autovec_copy(cute.local_tile(s_new[0, None], (self.k_elems,), (4 * p + kq,)), k_new)
             for c in cutlass.range_constexpr(self.k_elems // 4):  # r_q's 8-value slot per 4 columns
                 q8 = cute.make_rmem_tensor((8,), self.mma_dtype)
                 cute.autovec_copy(q_pieces[p * (self.k_elems // 4) + c, None], q8)
@@ -757,55 +806,32 @@ class TensorCoreDecode:
                         new_score[r] = new_score[r] + Float32(q8[e % 2 + 2 * r + 4 * (e // 2)]) * Float32(k_new[4 * c + e])
 
     @cute.jit
-    def new_token_v(self, mVNew: cute.Tensor, batch: Int32, head_kv: Int32, n: Int32, piece: int,
-                    v_scale: Float32) -> cute.Tensor:
-        """Columns (8 piece + n) v_elems .. + v_elems of the new token's V, as the cache stores them: the
-        thread's O columns n = 2kq, 2kq + 1 of piece ``piece`` (o_column)."""
-        values = cute.make_rmem_tensor((self.v_elems,), self.q_dtype)
-        cute.autovec_copy(cute.local_tile(mVNew[batch, head_kv, None], (self.v_elems,), (8 * piece + n,)), values)
-        return self.as_stored(values, v_scale)
-
-    @cute.jit
-    def start_with_new_token(self, mVNew: cute.Tensor, batch: Int32, head_kv: Int32, kq: Int32, v_scale: Float32,
-                             new_score: cute.Tensor, score_scale: Float32, row_max: cute.Tensor,
-                             row_sum: cute.Tensor, acc_o: cute.Tensor):
-        """The warp's softmax state after one key, the new token: max = its score, sum = 1 (counted once per
-        row, by the quad's first thread), O = its V row. ``new_score``: this thread's part of q . k_new."""
+    def fold_new_token(self, s_new: cute.Tensor, kq: Int32, q_pieces: cute.Tensor, score_scale: Float32,
+                       row_max: cute.Tensor, row_sum: cute.Tensor, acc_o: cute.Tensor):
+        """Fold the new token into the warp's softmax state, one more key: its score (new_token_score, added
+        up by the quad) and its V row from ``s_new`` (the thread's O columns n = 2kq, 2kq + 1 of each
+        8-column block: o_column). The max becomes the larger of the two; the sum counts the new numerator
+        once per row, in the quad's first thread."""
+        new_score = cute.make_rmem_tensor((2,), Float32)
+        new_score.fill(0.0)
+        self.new_token_score(s_new, kq, q_pieces, new_score)
+        correction = cute.make_rmem_tensor((2,), Float32)
+        p = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            row_max[r] = cute.arch.warp_reduction_sum(new_score[r], threads_in_group=4) * score_scale
-            row_sum[r] = Float32(cutlass.select_(kq == 0, Float32(1.0), Float32(0.0)))
+            score = cute.arch.warp_reduction_sum(new_score[r], threads_in_group=4) * score_scale
+            new_max = cute.arch.fmax(row_max[r], score)  # finite: the new token always sees itself
+            correction[r] = cute.math.exp2(row_max[r] - new_max, fastmath=True)  # 0 for a row with no key yet
+            p[r] = cute.math.exp2(score - new_max, fastmath=True)
+            row_sum[r] = row_sum[r] * correction[r] + Float32(cutlass.select_(kq == 0, p[r], Float32(0.0)))
+            row_max[r] = new_max
+        stored = cute.make_rmem_tensor((self.v_elems,), self.cache_dtype)
         for c in cutlass.range_constexpr(2):
             for piece in cutlass.range_constexpr(self.head_dim // 8 // self.v_elems):
-                stored = self.new_token_v(mVNew, batch, head_kv, 2 * kq + c, piece, v_scale)
+                cute.autovec_copy(cute.local_tile(s_new[1, None], (self.v_elems,), (8 * piece + 2 * kq + c,)), stored)
                 for e in cutlass.range_constexpr(self.v_elems):
                     for r in cutlass.range_constexpr(2):
-                        acc_o[(c, r), 0, piece * self.v_elems + e] = Float32(stored[e])
-
-    @cute.jit
-    def write_new_token(self, mK: cute.Tensor, mV: cute.Tensor, mKNew: cute.Tensor, mVNew: cute.Tensor,
-                        angles: tuple, mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32,
-                        position: Int32, rows: tuple, kq: Int32, k_scale: Float32, v_scale: Float32):
-        """Write the new token's K and V rows at ``position`` (its slot in a rolling cache), from the 4 threads
-        of one quad, which cover every column of K (pieces 4p + kq) and of V (o_column). One CTA per
-        (sequence, KV head) does it, and no CTA of the launch reads that row from the cache: each folds
-        the new token in from k_new and v_new (start_with_new_token), and the keys it reads end before it."""
-        row = position
-        if cutlass.const_expr(self.rolling):
-            row = rolling_slot(position, rows[1], rows[2])
-        page_or_batch = batch
-        if cutlass.const_expr(self.paged):
-            page_shift = cute.arch.log2_of_pow2_int(Int32(mK.shape[1]))
-            page_or_batch = mBlockTable[batch, row >> page_shift]
-        k_row = self.kv_rows(mK, page_or_batch, row, head_kv)[0, None]
-        v_row = self.kv_rows(mV, page_or_batch, row, head_kv)[0, None]
-        for p in cutlass.range_constexpr(self.k_pieces):
-            stored = self.new_token_k(mKNew, angles, batch, head_kv, 4 * p + kq, k_scale)
-            cute.autovec_copy(stored, cute.local_tile(k_row, (self.k_elems,), (4 * p + kq,)))
-        for c in cutlass.range_constexpr(2):
-            for piece in cutlass.range_constexpr(self.head_dim // 8 // self.v_elems):
-                n = 2 * kq + c
-                stored = self.new_token_v(mVNew, batch, head_kv, n, piece, v_scale)
-                cute.autovec_copy(stored, cute.local_tile(v_row, (self.v_elems,), (8 * piece + n,)))
+                        nb = piece * self.v_elems + e
+                        acc_o[(c, r), 0, nb] = acc_o[(c, r), 0, nb] * correction[r] + p[r] * Float32(stored[e])
     # --8<-- [end:new_token]
 
     # --8<-- [start:to_registers]
@@ -840,6 +866,25 @@ class TensorCoreDecode:
             #   wrong, and nothing crashes (course check 9 emulates the warp's MMAs on
             #   the CPU). Page: "The m16n8k16 fragments".
             raise NotImplementedError('TODO(stage 9) in q_fragment(): Store piece[e] in the slot of r_q (A operand, compact, in the MMA\'s value order) for row r (head g + 8r) and the very column that k_fragment gives the same element of K: any mismatch makes every score wrong, and nothing crashes (course check 9 emulates the warp\'s MMAs on the CPU). Page: "The m16n8k16 fragments". Hints, one at a time: python -m course hint 9 (docs/stages/09-tc-decode.md as raw markdown shows them all at once)')
+
+    @cute.jit
+    def q_fragments(self, q_rows: tuple, kq: Int32, r_q: cute.Tensor):
+        """Q's fragment for the thread's rows: ``q_rows[r]`` [D] is the query row of row g + 8r (rotated
+        already with RoPE), in the MMA's type."""
+        for r in cutlass.range_constexpr(2):
+            for p in cutlass.range_constexpr(self.k_pieces):
+                raw = cute.make_rmem_tensor((self.k_elems,), self.q_dtype)
+                cute.autovec_copy(cute.local_tile(q_rows[r], (self.k_elems,), (4 * p + kq,)), raw)
+                piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
+                piece.store(raw.load().to(self.mma_dtype))
+                self.q_fragment(r_q, piece, r, p)
+
+    @cute.jit
+    def share_q(self, r_q_pieces: cute.Tensor, s_q: cute.Tensor, tile: Int32, lane: Int32, key_group: Int32):
+        """D = 256: Q's fragment into shared memory, where every warp of the row tile reads it back."""
+        if key_group == 0:  # one copy per row tile: its warps hold the same fragment
+            cute.autovec_copy(r_q_pieces, s_q[tile, lane, None, None])
+        cute.arch.sync_threads()
 
     @cute.jit
     def k_fragment(self, sK: cute.Tensor, r_k: cute.Tensor, g: Int32, kq: Int32, first_piece: int):
@@ -1051,6 +1096,9 @@ class TensorCoreDecode:
         s_acc = cute.make_tensor(work + 2 * self.num_warps * ROWS,
                                  cute.make_layout((self.key_groups, self.rows, d), stride=(self.rows * d, d, 1)))
         s_flag = storage.flag.get_tensor(cute.make_layout(1))
+        # The appended token's K and V rows as the cache stores them (appends only).
+        s_new = cute.make_tensor(cute.recast_ptr(storage.new_token.data_ptr(), dtype=self.cache_dtype),
+                                 cute.make_layout((2, d), stride=(d, 1)))
 
         # --8<-- [start:split]
         # The split's slice [v_begin, v_end) of the sequence's visible keys in the cache. With an append
@@ -1106,18 +1154,17 @@ class TensorCoreDecode:
                                cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))
         r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
         angles = self.angles(mCos, mSin, seqlen - appends)  # RoPE at the new token's position
-        for r in cutlass.range_constexpr(2):
-            head = first_head + cutlass.min(ROWS * tile + g + 8 * r, heads_here - 1)  # spare rows repeat a real head
-            for p in cutlass.range_constexpr(self.k_pieces):
-                self.q_fragment(r_q, self.q_piece(mQ[batch, head, None], angles, 4 * p + kq), r, p)
-            if cutlass.const_expr(self.rotary != "" and self.q_in_shared):
-                # D = 256: keeps ptxas from loading the second row's pieces (q, cos, sin) while the first
-                # row's are live, which spills.
-                cute.arch.sync_warp()
-        if cutlass.const_expr(self.q_in_shared):
-            if key_group == 0:  # one copy per row tile: its warps hold the same fragment
-                cute.autovec_copy(r_q_pieces, s_q[tile, lane, None, None])
-            cute.arch.sync_threads()
+        # The query rows of the thread's rows (spare rows repeat a real head). With RoPE they are rotated
+        # first, by the whole CTA, after the first copies are issued (below): rotating waits for the
+        # angles, which wait for cache_seqlens.
+        s_q_rows = cute.make_tensor(cute.recast_ptr(storage.q_rows.data_ptr(), dtype=self.q_dtype),
+                                    cute.make_layout((self.rows, d), stride=(d, 1)))
+        q_row_index = tuple(ROWS * tile + g + 8 * r for r in range(2))
+        if cutlass.const_expr(not self.rotary):
+            self.q_fragments(tuple(mQ[batch, first_head + cutlass.min(i, heads_here - 1), None] for i in q_row_index),
+                             kq, r_q)
+            if cutlass.const_expr(self.q_in_shared):
+                self.share_q(r_q_pieces, s_q, tile, lane, key_group)
         # Q K^T and P V in parts of the head dim: at D = 256 half of Q's, K's and V's fragments at a
         # time (registers).
         parts = 2 if self.q_in_shared else 1
@@ -1152,16 +1199,6 @@ class TensorCoreDecode:
                 token = (head_chunk * self.rows + ROWS * tile + g + 8 * r) // mQ.shape[1][0]
                 q_pos[r] = seqlen - mQ.shape[1][1] + token
                 q_first[r] = Int32(cutlass.select_(window_left < 0, Int32(0), q_pos[r] - window_left))
-        # One CTA per (sequence, KV head) writes the new token's row, from its last warp (the first one starts
-        # from the new token, below); no CTA of the launch reads that row from the cache. The writer does it
-        # once its first copies are issued, so that its loads of k_new and v_new wait while they fly; at
-        # D = 256, where the registers are short, before (holding the pieces across the copies' issue spills).
-        if cutlass.const_expr(self.appends):
-            writer = (split == 0) & (head_chunk == 0) & (warp_idx == self.num_warps - 1) & (g == 0)
-        if cutlass.const_expr(self.appends and self.q_in_shared):
-            if writer:
-                self.write_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
-                                     kq, k_scale, v_scale)
         # Paged cache: entry st < STAGES - 1 holds this lane's page of prologue iteration st's copies,
         # the last one that of the next copies the loop issues.
         r_pages = cute.make_rmem_tensor((STAGES,), Int32)
@@ -1184,19 +1221,24 @@ class TensorCoreDecode:
                             batch, head_kv, warp_first + st * step, v_end, n_sink, lo, rows, lane)
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         if cutlass.const_expr(self.appends):
-            # The new token is split 0's first key, in the first warp of each row tile, whose state starts
-            # from it (q . k_new over the columns each thread holds of Q, added up by the quad).
+            # The new token is one more key of split 0. Its K and V rows, as the cache stores them, go to
+            # shared memory from one thread per 16-byte piece (their loads wait once, while the first
+            # copies fly); head chunk 0's CTA also writes them to the cache. No CTA
+            # of the launch reads that row from the cache: the first warp of each row tile starts its
+            # running state from the new token (fold_new_token), the keys it reads end before it.
+            if cutlass.const_expr(self.rotary):
+                self.stage_rotated_q(mQ, batch, first_head, heads_here, angles, tidx, s_q_rows)
+            if split == 0:
+                self.stage_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
+                                     tidx, k_scale, v_scale, s_new, head_chunk == 0)
+            cute.arch.sync_threads()
+            if cutlass.const_expr(self.rotary):
+                self.q_fragments(tuple(s_q_rows[i, None] for i in q_row_index), kq, r_q)
+                if cutlass.const_expr(self.q_in_shared):
+                    self.share_q(r_q_pieces, s_q, tile, lane, key_group)
             if split == 0 and key_group == 0:
-                new_score = cute.make_rmem_tensor((2,), Float32)
-                new_score.fill(0.0)
-                self.new_token_score(mKNew, angles, batch, head_kv, kq, k_scale,
-                                     s_q[tile, lane, None, None] if self.q_in_shared else r_q_pieces, new_score)
-                self.start_with_new_token(mVNew, batch, head_kv, kq, v_scale, new_score, score_scale,
-                                          row_max, row_sum, acc_o)
-            if cutlass.const_expr(not self.q_in_shared):
-                if writer:
-                    self.write_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
-                                         kq, k_scale, v_scale)
+                self.fold_new_token(s_new, kq, s_q[tile, lane, None, None] if self.q_in_shared else r_q_pieces,
+                                    score_scale, row_max, row_sum, acc_o)
         for it in cutlass.range(num_iters, unroll=1):
             ahead = it + STAGES - 1
             cute.arch.cp_async_wait_group(STAGES - 2)  # this lane's copies of iteration it have landed...
@@ -1435,9 +1477,23 @@ def cross_compile_config(config: DecodeConfig, keep: bool = False):
 
 
 # --8<-- [start:num_splits]
-def shared_bytes(head_dim: int, cache_dtype: str, tiles: int = 1, warps: int = 4) -> int:
-    """Bytes of the kernel's SharedStorage: the work area, Q's fragments (D = 256) and the last-block flag."""
-    return -(-(work_bytes(head_dim, cache_dtype, warps) + q_fragment_bytes(head_dim, tiles) + 4) // 128) * 128
+def new_token_bytes(head_dim: int, cache_dtype: str, appends: bool) -> int:
+    """Shared memory for the appended token's K and V rows as the cache stores them (appends only)."""
+    return 2 * head_dim * cache_bytes(cache_dtype) if appends else 0
+
+
+def rotated_q_bytes(head_dim: int, tiles: int, rotary: str) -> int:
+    """Shared memory for the CTA's query rows after RoPE (16-bit; with rotary only)."""
+    return ROWS * tiles * head_dim * 2 if rotary else 0
+
+
+def shared_bytes(head_dim: int, cache_dtype: str, tiles: int = 1, warps: int = 4, appends: bool = False,
+                 rotary: str = "") -> int:
+    """Bytes of the kernel's SharedStorage: the work area, Q's fragments (D = 256), the appended token's rows,
+    the rotated query rows and the last-block flag."""
+    return -(-(work_bytes(head_dim, cache_dtype, warps) + q_fragment_bytes(head_dim, tiles)
+               + new_token_bytes(head_dim, cache_dtype, appends) + rotated_q_bytes(head_dim, tiles, rotary) + 4)
+             // 128) * 128
 
 
 def ctas_per_sm(head_dim: int, cache_dtype: str = "float16", tiles: int = 1, warps: int = 4) -> int:

@@ -349,7 +349,8 @@ def test_cross_compiles_for_sm90a(stage, config):
             "the appended row is quantized with an IEEE division, as kv_cache.quantize_rows divides")
     bytes_per = stage.cache_bytes(config.cache_dtype)
     assert report.spill_bytes == 0, f"{report.name} spills {report.spill_bytes} bytes of registers to local memory"
-    expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles, config.warps)
+    expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles, config.warps,
+                                         config.appends, config.rotary)
     assert report.shared_bytes == expected_shared, (
         f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
         f"{expected_shared}, and the automatic split count relies on it")
@@ -611,6 +612,9 @@ APPEND_CASES = [  # (dtype, D, layout, cache, rotary: (rotary_dim or 0, interlea
     ("bfloat16", 256, "contiguous", "fp8", (256, True), 8, 8),
     ("float16", 128, "paged256", "int8", (0, False), 48, 2),
     ("bfloat16", 128, "paged32", "fp8", (96, False), 64, 1),
+    # rotary_dim = D in halves: the partner piece is the thread's own (rotate_in_registers), 2 pieces per row
+    ("float16", 64, "paged32", "16-bit", (64, False), 8, 2),
+    ("bfloat16", 128, "contiguous", "fp8", (128, False), 16, 4),
 ]
 
 
