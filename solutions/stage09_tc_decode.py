@@ -731,8 +731,8 @@ class TensorCoreDecode:
 
     @cute.jit
     def rotated_piece(self, row: cute.Tensor, angles: tuple, chunk: Int32) -> cute.Tensor:
-        """Piece ``chunk`` (k_elems columns) of a q or k_new row, rotated by ``angles`` (the position's cos and
-        sin rows, with rotary) and rounded to the row's 16-bit type, as the reference's rotary() rounds it."""
+        """Piece ``chunk`` (k_elems columns) of a 16-bit row (k_new's), rotated by ``angles`` (the position's
+        cos and sin rows, with rotary) and rounded to the row's type, as the reference's rotary() rounds it."""
         piece = cute.make_rmem_tensor((self.k_elems,), row.element_type)
         if cutlass.const_expr(not self.rotary):
             cute.autovec_copy(cute.local_tile(row, (self.k_elems,), (chunk,)), piece)
