@@ -337,47 +337,60 @@ ROTARY_CHUNK = 8  # columns rotated at a time: 16 bytes of q or k_new
 
 # --8<-- [start:rotary]
 @cute.jit
-def rotated_columns(row: cute.Tensor, cos_row: cute.Tensor, sin_row: cute.Tensor, start: Int32, rotary_dim: Int32,
-                    interleaved: cutlass.Constexpr, out: cute.Tensor):
-    """Columns start .. start + 7 of ``row`` [D] after RoPE, in float32 (``out`` [8]).
+def rotation_inputs(row: cute.Tensor, cos_row: cute.Tensor, sin_row: cute.Tensor, start: Int32, rotary_dim: Int32,
+                    interleaved: cutlass.Constexpr) -> tuple:
+    """What columns start .. start + 7 of ``row`` [D] need for RoPE, loaded into registers: the columns,
+    their partners (non-interleaved) and their angles' cos and sin (``rotate`` does the math). Separate
+    loads and math let a caller issue the loads early and use them later.
 
     cos_row, sin_row [rotary_dim / 2] hold the token position's angles. Pairs
     (i, i + rotary_dim / 2), or (2i, 2i + 1) when ``interleaved``, rotate by
-    angle i: (a, b) -> (a cos - b sin, b cos + a sin); columns from rotary_dim
-    on pass through. Both products are exact in float32 (16-bit factors), so
-    the one rounding of their sum is PyTorch's, bit for bit. ``start`` is a
-    multiple of 8 and rotary_dim of 16, so the 8 columns are all rotated or
-    all not, and in one half.
+    angle i. ``start`` is a multiple of 8 and rotary_dim of 16, so the 8
+    columns are all rotated or all not, and in one half.
     """
     half = rotary_dim // 2
     x = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
     cute.autovec_copy(cute.local_tile(row, (ROTARY_CHUNK,), (start // ROTARY_CHUNK,)), x)
-    rotates = start < rotary_dim
+    angles = ROTARY_CHUNK // 2 if interleaved else ROTARY_CHUNK  # interleaved: pair e // 2 has angle start / 2 + e // 2
+    c = cute.make_rmem_tensor((angles,), row.element_type)
+    s = cute.make_rmem_tensor((angles,), row.element_type)
+    partner = x
     if cutlass.const_expr(interleaved):
-        angles = ROTARY_CHUNK // 2  # pair e // 2 of the chunk has angle start / 2 + e // 2
         at = cutlass.min(start // 2, half - angles) // angles
-        c = cute.make_rmem_tensor((angles,), row.element_type)
-        s = cute.make_rmem_tensor((angles,), row.element_type)
-        cute.autovec_copy(cute.local_tile(cos_row, (angles,), (at,)), c)
-        cute.autovec_copy(cute.local_tile(sin_row, (angles,), (at,)), s)
-        for e in cutlass.range_constexpr(ROTARY_CHUNK):
-            sign = -1.0 if e % 2 == 0 else 1.0
-            turned = Float32(x[e]) * Float32(c[e // 2]) + sign * (Float32(x[e ^ 1]) * Float32(s[e // 2]))
-            out[e] = Float32(cutlass.select_(rotates, turned, Float32(x[e])))
     else:
         first_half = start < half
         partner = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
-        c = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
-        s = cute.make_rmem_tensor((ROTARY_CHUNK,), row.element_type)
         partner_start = cutlass.select_(first_half, start + half, start - half)  # in the row: start < D + half
-        angle_start = cutlass.min(cutlass.select_(first_half, start, start - half), half - ROTARY_CHUNK)
         cute.autovec_copy(cute.local_tile(row, (ROTARY_CHUNK,), (partner_start // ROTARY_CHUNK,)), partner)
-        cute.autovec_copy(cute.local_tile(cos_row, (ROTARY_CHUNK,), (angle_start // ROTARY_CHUNK,)), c)
-        cute.autovec_copy(cute.local_tile(sin_row, (ROTARY_CHUNK,), (angle_start // ROTARY_CHUNK,)), s)
-        sign = Float32(cutlass.select_(first_half, Float32(-1.0), Float32(1.0)))
-        for e in cutlass.range_constexpr(ROTARY_CHUNK):
+        at = cutlass.min(cutlass.select_(first_half, start, start - half), half - ROTARY_CHUNK) // ROTARY_CHUNK
+    cute.autovec_copy(cute.local_tile(cos_row, (angles,), (at,)), c)
+    cute.autovec_copy(cute.local_tile(sin_row, (angles,), (at,)), s)
+    return x, partner, c, s
+
+
+@cute.jit
+def rotate(inputs: tuple, start: Int32, rotary_dim: Int32, interleaved: cutlass.Constexpr, out: cute.Tensor):
+    """Columns start .. start + 7 after RoPE, in float32 (``out`` [8]), from ``rotation_inputs``:
+    (a, b) -> (a cos - b sin, b cos + a sin); columns from rotary_dim on pass through. Both products
+    are exact in float32 (16-bit factors), so the one rounding of their sum is PyTorch's, bit for bit."""
+    x, partner, c, s = inputs
+    rotates = start < rotary_dim
+    for e in cutlass.range_constexpr(ROTARY_CHUNK):
+        if cutlass.const_expr(interleaved):
+            sign = -1.0 if e % 2 == 0 else 1.0
+            turned = Float32(x[e]) * Float32(c[e // 2]) + sign * (Float32(x[e ^ 1]) * Float32(s[e // 2]))
+        else:
+            sign = Float32(cutlass.select_(start < rotary_dim // 2, Float32(-1.0), Float32(1.0)))
             turned = Float32(x[e]) * Float32(c[e]) + sign * (Float32(partner[e]) * Float32(s[e]))
-            out[e] = Float32(cutlass.select_(rotates, turned, Float32(x[e])))
+        out[e] = Float32(cutlass.select_(rotates, turned, Float32(x[e])))
+
+
+@cute.jit
+def rotated_columns(row: cute.Tensor, cos_row: cute.Tensor, sin_row: cute.Tensor, start: Int32, rotary_dim: Int32,
+                    interleaved: cutlass.Constexpr, out: cute.Tensor):
+    """Columns start .. start + 7 of ``row`` [D] after RoPE, in float32 (``out`` [8]): loads, then math."""
+    rotate(rotation_inputs(row, cos_row, sin_row, start, rotary_dim, interleaved), start, rotary_dim, interleaved,
+           out)
 # --8<-- [end:rotary]
 
 
@@ -703,8 +716,9 @@ class TensorCoreDecode:
 
     @cute.jit
     def rotated_piece(self, row: cute.Tensor, angles: tuple, chunk: Int32) -> cute.Tensor:
-        """Piece ``chunk`` (k_elems columns) of a 16-bit row (k_new's), rotated by ``angles`` (the position's
-        cos and sin rows, with rotary) and rounded to the row's type, as the reference's rotary() rounds it."""
+        """Piece ``chunk`` (k_elems columns) of a 16-bit row (k_new's, staged), rotated by ``angles`` (the
+        position's cos and sin rows, with rotary) and rounded to the row's type, as the reference's rotary()
+        rounds it."""
         piece = cute.make_rmem_tensor((self.k_elems,), row.element_type)
         if cutlass.const_expr(not self.rotary):
             cute.autovec_copy(cute.local_tile(row, (self.k_elems,), (chunk,)), piece)
@@ -718,20 +732,65 @@ class TensorCoreDecode:
         return piece
 
     @cute.jit
-    def stage_rotated_q(self, mQ: cute.Tensor, batch: Int32, first_head: Int32, heads_here: Int32, angles: tuple,
-                        tidx: Int32, s_q_rows: cute.Tensor):
-        """The CTA's query rows after RoPE into ``s_q_rows`` [rows, D] (spare rows repeat the last real
-        head): each thread rotates 8 columns at a time, a piece of the CTA's rows after another, so that
-        every piece is rotated once, not once per warp that holds it, and its loads wait once."""
-        cos_row, sin_row = angles
+    def copy_16_bytes(self, atom, src_row: cute.Tensor, dst_row: cute.Tensor, chunk: Int32):
+        """cp.async of 8 16-bit columns, piece ``chunk`` of a row."""
+        cute.copy(atom, cute.local_tile(src_row, (ROTARY_CHUNK,), (chunk,)),
+                  cute.local_tile(dst_row, (ROTARY_CHUNK,), (chunk,)))
+
+    @cute.jit
+    def issue_staging(self, mQ: cute.Tensor, mKNew: cute.Tensor, mVNew: cute.Tensor, angles: tuple, batch: Int32,
+                      head_kv: Int32, first_head: Int32, heads_here: Int32, stages_token, tidx: Int32,
+                      s_q_rows: cute.Tensor, s_angles: tuple, s_new_raw: cute.Tensor):
+        """Start the cp.async copies of what the appends work on, 16 bytes per copy, spread over the CTA's
+        threads: with RoPE the CTA's query rows (into ``s_q_rows``; spare rows repeat the last real head)
+        and the position's cos and sin rows (``s_angles``); with ``stages_token`` the new token's K and V
+        rows (``s_new_raw`` [2, D]). As copies, not loads into registers, they go out before the first
+        K/V copies and land before them: a load the compiler places after those copies waits behind
+        them."""
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.q_dtype, num_bits_per_copy=128)
         per_row = self.head_dim // ROTARY_CHUNK
+        copy_piece = self.copy_16_bytes
+        if cutlass.const_expr(self.rotary):
+            for i in cutlass.range(tidx, self.rows * per_row, self.num_threads, unroll=1):
+                row = i // per_row
+                copy_piece(atom, mQ[batch, first_head + cutlass.min(row, heads_here - 1), None], s_q_rows[row, None],
+                           i % per_row)
+            per_angles = angles[0].shape[0] // ROTARY_CHUNK  # rotary_dim / 16 pieces per table
+            for i in cutlass.range(tidx, 2 * per_angles, self.num_threads, unroll=1):
+                if i < per_angles:
+                    copy_piece(atom, angles[0], s_angles[0], i)
+                else:
+                    copy_piece(atom, angles[1], s_angles[1], i - per_angles)
+        if stages_token:
+            for i in cutlass.range(tidx, 2 * per_row, self.num_threads, unroll=1):
+                if i < per_row:
+                    copy_piece(atom, mKNew[batch, head_kv, None], s_new_raw[0, None], i)
+                else:
+                    copy_piece(atom, mVNew[batch, head_kv, None], s_new_raw[1, None], i - per_row)
+
+    @cute.jit
+    def rotate_q_rows(self, s_q_rows: cute.Tensor, angles: tuple, tidx: Int32):
+        """RoPE on the CTA's staged query rows, in place, each piece once (not once per warp that holds it).
+        A thread takes 8 columns and their partners at + rotary_dim / 2 (halves), or 8 columns (interleaved:
+        a pair is inside the piece): no thread writes what another reads. Columns from rotary_dim on stay."""
+        cos_row, sin_row = angles
+        rotary_dim = 2 * cos_row.shape[0]
+        interleaved = self.rotary == "interleaved"
+        span = rotary_dim // ROTARY_CHUNK  # work items per row: pieces (interleaved) or pairs of pieces
+        if cutlass.const_expr(not interleaved):
+            span = span // 2
         turned = cute.make_rmem_tensor((ROTARY_CHUNK,), Float32)
-        for i in cutlass.range(tidx, self.rows * per_row, self.num_threads, unroll=1):
-            row, chunk = i // per_row, i % per_row
-            head = first_head + cutlass.min(row, heads_here - 1)
-            rotated_columns(mQ[batch, head, None], cos_row, sin_row, chunk * ROTARY_CHUNK, 2 * cos_row.shape[0],
-                            self.rotary == "interleaved", turned)
-            cute.local_tile(s_q_rows[row, None], (ROTARY_CHUNK,), (chunk,)).store(turned.load().to(self.q_dtype))
+        partner_turned = cute.make_rmem_tensor((ROTARY_CHUNK,), Float32)
+        for i in cutlass.range(tidx, self.rows * span, self.num_threads, unroll=1):
+            q_row, start = s_q_rows[i // span, None], (i % span) * ROTARY_CHUNK
+            inputs = rotation_inputs(q_row, cos_row, sin_row, start, rotary_dim, interleaved)
+            rotate(inputs, start, rotary_dim, interleaved, turned)
+            if cutlass.const_expr(not interleaved):
+                x, partner, c, s = inputs
+                rotate((partner, x, c, s), start + rotary_dim // 2, rotary_dim, interleaved, partner_turned)
+                cute.local_tile(q_row, (ROTARY_CHUNK,), ((start + rotary_dim // 2) // ROTARY_CHUNK,)).store(
+                    partner_turned.load().to(self.q_dtype))
+            cute.local_tile(q_row, (ROTARY_CHUNK,), (start // ROTARY_CHUNK,)).store(turned.load().to(self.q_dtype))
 
     @cute.jit
     def as_stored(self, values: cute.Tensor, scale: Float32) -> cute.Tensor:
@@ -747,22 +806,15 @@ class TensorCoreDecode:
             stored.store(scaled.load().to(self.cache_dtype))
         return stored
 
-    @cute.jit
-    def new_token_k(self, mKNew: cute.Tensor, angles: tuple, batch: Int32, head_kv: Int32, chunk: Int32,
-                    k_scale: Float32) -> cute.Tensor:
-        """Piece ``chunk`` (k_elems columns) of the new token's K, rotated and as the cache stores it."""
-        piece = self.rotated_piece(mKNew[batch, head_kv, None], angles, chunk)
-        return self.as_stored(piece, k_scale)
 
     @cute.jit
-    def stage_new_token(self, mK: cute.Tensor, mV: cute.Tensor, mKNew: cute.Tensor, mVNew: cute.Tensor,
-                        angles: tuple, mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32, position: Int32,
-                        rows: tuple, tidx: Int32, k_scale: Float32, v_scale: Float32, s_new: cute.Tensor,
-                        writes):
-        """The new token's K row (rotated) and V row as the cache stores them, into ``s_new`` [2, D]: thread
-        t < D / piece makes K's piece t, the next D / piece threads V's. With ``writes`` (one CTA per
-        sequence and KV head) they also write their pieces to the cache at ``position`` (its slot in a
-        rolling cache)."""
+    def stage_new_token(self, mK: cute.Tensor, mV: cute.Tensor, s_new_raw: cute.Tensor, angles: tuple,
+                        mBlockTable: cute.Tensor, batch: Int32, head_kv: Int32, position: Int32, rows: tuple,
+                        tidx: Int32, k_scale: Float32, v_scale: Float32, s_new: cute.Tensor, writes):
+        """The new token's K row (rotated by ``angles``, the staged cos and sin) and V row as the cache
+        stores them, into ``s_new`` [2, D], from the staged ``s_new_raw``: thread t < D / piece makes K's
+        piece t, the next D / piece threads V's. With ``writes`` (one CTA per sequence and KV head) they
+        also write their pieces to the cache at ``position`` (its slot in a rolling cache)."""
         row = position
         if cutlass.const_expr(self.rolling):
             row = rolling_slot(position, rows[1], rows[2])
@@ -770,10 +822,10 @@ class TensorCoreDecode:
         if tidx < 2 * self.chunks:
             stored = cute.make_rmem_tensor((self.k_elems,), self.cache_dtype)
             if tidx < self.chunks:
-                stored.store(self.new_token_k(mKNew, angles, batch, head_kv, piece, k_scale).load())
+                stored.store(self.as_stored(self.rotated_piece(s_new_raw[0, None], angles, piece), k_scale).load())
             else:
                 values = cute.make_rmem_tensor((self.k_elems,), self.q_dtype)
-                cute.autovec_copy(cute.local_tile(mVNew[batch, head_kv, None], (self.k_elems,), (piece,)), values)
+                cute.autovec_copy(cute.local_tile(s_new_raw[1, None], (self.k_elems,), (piece,)), values)
                 stored.store(self.as_stored(values, v_scale).load())
             which = tidx // self.chunks  # 0: K, 1: V
             cute.autovec_copy(stored, cute.local_tile(s_new[which, None], (self.k_elems,), (piece,)))
@@ -1096,9 +1148,11 @@ class TensorCoreDecode:
         s_acc = cute.make_tensor(work + 2 * self.num_warps * ROWS,
                                  cute.make_layout((self.key_groups, self.rows, d), stride=(self.rows * d, d, 1)))
         s_flag = storage.flag.get_tensor(cute.make_layout(1))
-        # The appended token's K and V rows as the cache stores them (appends only).
+        # The appended token's K and V rows as the cache stores them, and as given (appends only).
         s_new = cute.make_tensor(cute.recast_ptr(storage.new_token.data_ptr(), dtype=self.cache_dtype),
                                  cute.make_layout((2, d), stride=(d, 1)))
+        s_new_raw = cute.make_tensor(cute.recast_ptr(storage.new_token.data_ptr() + d * self.cache_dtype.width // 16,
+                                                     dtype=self.q_dtype), cute.make_layout((2, d), stride=(d, 1)))
 
         # --8<-- [start:split]
         # The split's slice [v_begin, v_end) of the sequence's visible keys in the cache. With an append
@@ -1154,11 +1208,13 @@ class TensorCoreDecode:
                                cute.make_ordered_layout((self.row_tiles, 32, d // 16, 8), order=(3, 1, 2, 0)))
         r_q_pieces = cute.make_tensor(r_q.iterator, cute.make_layout((d // 16, 8), stride=(8, 1)))
         angles = self.angles(mCos, mSin, seqlen - appends)  # RoPE at the new token's position
-        # The query rows of the thread's rows (spare rows repeat a real head). With RoPE they are rotated
-        # first, by the whole CTA, after the first copies are issued (below): rotating waits for the
-        # angles, which wait for cache_seqlens.
+        # With RoPE the CTA's query rows (spare rows repeat a real head) and the position's cos and sin
+        # rows are staged in shared memory and the rows rotated there, once per CTA (below).
         s_q_rows = cute.make_tensor(cute.recast_ptr(storage.q_rows.data_ptr(), dtype=self.q_dtype),
                                     cute.make_layout((self.rows, d), stride=(d, 1)))
+        s_angles_ptr = cute.recast_ptr(storage.q_rows.data_ptr(), dtype=self.q_dtype) + self.rows * d
+        s_angles = tuple(cute.make_tensor(s_angles_ptr + i * (d // 2), cute.make_layout((mCos.shape[1],)))
+                         for i in range(2))  # cos, sin: rotary_dim / 2 values each
         q_row_index = tuple(ROWS * tile + g + 8 * r for r in range(2))
         if cutlass.const_expr(not self.rotary):
             self.q_fragments(tuple(mQ[batch, first_head + cutlass.min(i, heads_here - 1), None] for i in q_row_index),
@@ -1211,6 +1267,10 @@ class TensorCoreDecode:
         copy_slice = key_group * self.row_tiles + tile
         warp_first = v_begin + copy_slice * KEYS_PER_WARP  # the warp's first key of iteration 0
         sK_warp, sV_warp = sK[None, copy_slice, None, None, None], sV[None, copy_slice, None, None, None]
+        if cutlass.const_expr(self.appends):  # the oldest cp.async group: what the appends work on
+            self.issue_staging(mQ, mKNew, mVNew, angles, batch, head_kv, first_head, heads_here, split == 0, tidx,
+                               s_q_rows, s_angles, s_new_raw)
+            cute.arch.cp_async_commit_group()
         for st in cutlass.range_constexpr(STAGES):
             if st < num_iters:
                 r_pages[st] = lookup_page(mBlockTable, page_shift, batch, warp_first + st * step, v_end, n_sink, lo,
@@ -1222,16 +1282,25 @@ class TensorCoreDecode:
             cute.arch.cp_async_commit_group()  # one group per iteration, empty or not, so the count below holds
         if cutlass.const_expr(self.appends):
             # The new token is one more key of split 0. Its K and V rows, as the cache stores them, go to
-            # shared memory from one thread per 16-byte piece (their loads wait once, while the first
-            # copies fly); head chunk 0's CTA also writes them to the cache. No CTA
-            # of the launch reads that row from the cache: the first warp of each row tile starts its
-            # running state from the new token (fold_new_token), the keys it reads end before it.
+            # shared memory, made from the staged rows by one thread per 16-byte piece; head chunk 0's CTA
+            # also writes them to the cache. No CTA of the launch reads that row from the cache: the first
+            # warp of each row tile starts its running state from the new token (fold_new_token), the
+            # keys it reads end before it. Two barriers where something was staged: the staged rows are
+            # every thread's, then what they became is.
             if cutlass.const_expr(self.rotary):
-                self.stage_rotated_q(mQ, batch, first_head, heads_here, angles, tidx, s_q_rows)
+                cute.arch.cp_async_wait_group(STAGES - 1)  # the staging group has landed
+                cute.arch.sync_threads()
+                self.rotate_q_rows(s_q_rows, s_angles, tidx)
+            elif split == 0:
+                cute.arch.cp_async_wait_group(STAGES - 1)
+                cute.arch.sync_threads()
             if split == 0:
-                self.stage_new_token(mK, mV, mKNew, mVNew, angles, mBlockTable, batch, head_kv, cached, rows,
-                                     tidx, k_scale, v_scale, s_new, head_chunk == 0)
-            cute.arch.sync_threads()
+                self.stage_new_token(mK, mV, s_new_raw, s_angles, mBlockTable, batch, head_kv, cached, rows, tidx,
+                                     k_scale, v_scale, s_new, head_chunk == 0)
+            if cutlass.const_expr(self.rotary):
+                cute.arch.sync_threads()
+            elif split == 0:
+                cute.arch.sync_threads()
             if cutlass.const_expr(self.rotary):
                 self.q_fragments(tuple(s_q_rows[i, None] for i in q_row_index), kq, r_q)
                 if cutlass.const_expr(self.q_in_shared):
@@ -1478,13 +1547,15 @@ def cross_compile_config(config: DecodeConfig, keep: bool = False):
 
 # --8<-- [start:num_splits]
 def new_token_bytes(head_dim: int, cache_dtype: str, appends: bool) -> int:
-    """Shared memory for the appended token's K and V rows as the cache stores them (appends only)."""
-    return 2 * head_dim * cache_bytes(cache_dtype) if appends else 0
+    """Shared memory for the appended token's K and V rows as the cache stores them and as given (16-bit;
+    appends only)."""
+    return 2 * head_dim * (cache_bytes(cache_dtype) + 2) if appends else 0
 
 
 def rotated_q_bytes(head_dim: int, tiles: int, rotary: str) -> int:
-    """Shared memory for the CTA's query rows after RoPE (16-bit; with rotary only)."""
-    return ROWS * tiles * head_dim * 2 if rotary else 0
+    """Shared memory for the CTA's query rows, rotated in place, and the position's cos and sin rows (16-bit;
+    with rotary only)."""
+    return (ROWS * tiles + 1) * head_dim * 2 if rotary else 0
 
 
 def shared_bytes(head_dim: int, cache_dtype: str, tiles: int = 1, warps: int = 4, appends: bool = False,
