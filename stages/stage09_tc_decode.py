@@ -94,7 +94,12 @@ from .stage07_decode import (  # noqa: F401
 )
 
 STAGE = 9
-HEAD_DIMS = (64, 128, 256)
+# --8<-- [start:computed_head_dim]
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+# The head dim the kernel computes with: 80 and 96 (Phi-2, Phi-3) as 128, 192 as 256, their extra
+# columns zeros in shared memory and registers, never read from or written to memory.
+COMPUTED_HEAD_DIM = {64: 64, 80: 128, 96: 128, 128: 128, 192: 256, 256: 256}
+# --8<-- [end:computed_head_dim]
 PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask;
 # one paged kernel takes them all (the page size is a runtime extent of the cache)
 CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "int8")
@@ -467,22 +472,24 @@ class TensorCoreDecode:
         self.rolling = config.rolling
         self.leftpad = config.leftpad
         self.drafts = config.drafts
-        self.head_dim = config.head_dim
+        self.dim = config.head_dim                          # the tensors' head dim
+        self.head_dim = COMPUTED_HEAD_DIM[config.head_dim]  # the kernel's: zeros past self.dim
         self.paged = config.paged
         self.has_sink = config.has_sink
         self.write_lse = config.write_lse
         self.k_elems = k_piece(config.cache_dtype)
-        self.v_elems = v_piece(config.cache_dtype, config.head_dim)
-        self.k_pieces = config.head_dim // 4 // self.k_elems  # a thread holds D / 4 of a K row
-        self.v_pieces = config.head_dim // 8 // self.v_elems  # and D / 8 of a V row
+        self.v_elems = v_piece(config.cache_dtype, COMPUTED_HEAD_DIM[config.head_dim])
+        self.k_pieces = self.head_dim // 4 // self.k_elems  # a thread holds D / 4 of a K row
+        self.v_pieces = self.head_dim // 8 // self.v_elems  # and D / 8 of a V row
         # The warp copies its 16 K (and V) rows as 16-byte chunks, a row's chunks on consecutive lanes:
         # every copy instruction reads whole rows, 512 contiguous-per-row bytes.
-        self.chunks = config.head_dim // self.k_elems        # 16-byte chunks per row
+        self.chunks = self.head_dim // self.k_elems          # 16-byte chunks per row
+        self.real_chunks = self.dim // self.k_elems          # those a copy fills; the rest stay zeros
         self.rows_per_copy = 32 // self.chunks               # rows one copy instruction covers
         self.copies = KEYS_PER_WARP // self.rows_per_copy    # copy instructions per 16 rows
         # At D = 256 the O accumulator alone takes 128 registers: Q's fragment waits in shared memory
         # and is read back every iteration (it is the same for every warp: one copy per lane).
-        self.q_in_shared = config.head_dim > 128
+        self.q_in_shared = self.head_dim > 128
         self.num_warps = config.warps
         self.num_threads = 32 * config.warps
         self.keys_per_iteration = keys_per_iteration(config.warps)
@@ -690,9 +697,27 @@ class TensorCoreDecode:
         """Chunk ``chunk`` of a K row and of a V row (16 bytes each) into row ``tile_row`` of the warp's tiles,
         swizzled."""
         at = swizzle(tile_row, self.chunks) ^ chunk
-        cute.copy(atom, k_piece, sK[tile_row, at, None])
-        cute.copy(atom, v_piece, sV[tile_row, at, None])
+        if cutlass.const_expr(self.dim == self.head_dim):
+            cute.copy(atom, k_piece, sK[tile_row, at, None])
+            cute.copy(atom, v_piece, sV[tile_row, at, None])
+        else:
+            self.copy_or_zeros(atom, k_piece, sK[tile_row, at, None], chunk)
+            self.copy_or_zeros(atom, v_piece, sV[tile_row, at, None], chunk)
     # --8<-- [end:issue_loads]
+
+    # --8<-- [start:copy_or_zeros]
+    @cute.jit
+    def copy_or_zeros(self, atom, src: cute.Tensor, dst: cute.Tensor, chunk: Int32):
+        """A padded head dim (COMPUTED_HEAD_DIM): chunk ``chunk`` of a row copied if it holds real columns, else
+        zeros. A predicated cp.async is one with a source size of 0 for a false predicate: it reads nothing
+        and fills its 16 bytes with zeros. Q's padded columns are zeros too, so they add 0 to every score,
+        where stale shared memory could hold a NaN (0 x NaN = NaN). (A branch around the copy instead took
+        ptxas past its registers at D = 192.)"""
+        one_copy = cute.make_layout(((self.k_elems,), 1), stride=((1,), 0))
+        pred = cute.make_rmem_tensor(cute.make_layout(((self.k_elems,), 1), stride=((0,), 0)), cutlass.Boolean)
+        pred[0] = chunk < self.real_chunks
+        cute.copy(atom, cute.make_tensor(src.iterator, one_copy), cute.make_tensor(dst.iterator, one_copy), pred=pred)
+    # --8<-- [end:copy_or_zeros]
 
     # --8<-- [start:ring_barrier]
     @cute.jit
@@ -748,13 +773,14 @@ class TensorCoreDecode:
         K/V copies and land before them: a load the compiler places after those copies waits behind
         them."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.q_dtype, num_bits_per_copy=128)
-        per_row = self.head_dim // ROTARY_CHUNK
+        per_row = self.dim // ROTARY_CHUNK
         copy_piece = self.copy_16_bytes
         if cutlass.const_expr(self.rotary):
             for i in cutlass.range(tidx, self.rows * per_row, self.num_threads, unroll=1):
                 row = i // per_row
                 copy_piece(atom, mQ[batch, first_head + cutlass.min(row, heads_here - 1), None], s_q_rows[row, None],
                            i % per_row)
+            self.zero_columns_past_dim(s_q_rows, tidx)
             per_angles = angles[0].shape[0] // ROTARY_CHUNK  # rotary_dim / 16 pieces per table
             for i in cutlass.range(tidx, 2 * per_angles, self.num_threads, unroll=1):
                 if i < per_angles:
@@ -767,6 +793,18 @@ class TensorCoreDecode:
                     copy_piece(atom, mKNew[batch, head_kv, None], s_new_raw[0, None], i)
                 else:
                     copy_piece(atom, mVNew[batch, head_kv, None], s_new_raw[1, None], i - per_row)
+            self.zero_columns_past_dim(s_new_raw, tidx)
+
+    @cute.jit
+    def zero_columns_past_dim(self, rows: cute.Tensor, tidx: Int32):
+        """A padded head dim: zeros into the columns of ``rows`` [n, D] past the real ones, 8 at a time."""
+        if cutlass.const_expr(self.dim < self.head_dim):
+            pad = (self.head_dim - self.dim) // ROTARY_CHUNK
+            zeros = cute.make_rmem_tensor((ROTARY_CHUNK,), Float32)
+            zeros.fill(0.0)
+            for i in cutlass.range(tidx, cute.size(rows, mode=[0]) * pad, self.num_threads, unroll=1):
+                piece = self.dim // ROTARY_CHUNK + i % pad
+                cute.local_tile(rows[i // pad, None], (ROTARY_CHUNK,), (piece,)).store(zeros.load().to(rows.element_type))
 
     @cute.jit
     def rotate_q_rows(self, s_q_rows: cute.Tensor, angles: tuple, tidx: Int32):
@@ -829,7 +867,7 @@ class TensorCoreDecode:
                 stored.store(self.as_stored(values, v_scale).load())
             which = tidx // self.chunks  # 0: K, 1: V
             cute.autovec_copy(stored, cute.local_tile(s_new[which, None], (self.k_elems,), (piece,)))
-            if writes:
+            if writes & (piece < self.real_chunks):
                 page_or_batch = batch
                 if cutlass.const_expr(self.paged):
                     page_shift = cute.arch.log2_of_pow2_int(Int32(mK.shape[1]))
@@ -926,7 +964,13 @@ class TensorCoreDecode:
         for r in cutlass.range_constexpr(2):
             for p in cutlass.range_constexpr(self.k_pieces):
                 raw = cute.make_rmem_tensor((self.k_elems,), self.q_dtype)
-                cute.autovec_copy(cute.local_tile(q_rows[r], (self.k_elems,), (4 * p + kq,)), raw)
+                if cutlass.const_expr(4 * p + 3 < self.real_chunks):
+                    cute.autovec_copy(cute.local_tile(q_rows[r], (self.k_elems,), (4 * p + kq,)), raw)
+                else:  # a padded head dim: zeros past the row's end
+                    raw.fill(0.0)
+                    if cutlass.const_expr(4 * p < self.real_chunks):
+                        if 4 * p + kq < self.real_chunks:
+                            cute.autovec_copy(cute.local_tile(q_rows[r], (self.k_elems,), (4 * p + kq,)), raw)
                 piece = cute.make_rmem_tensor((self.k_elems,), self.mma_dtype)
                 piece.store(raw.load().to(self.mma_dtype))
                 self.q_fragment(r_q, piece, r, p)
@@ -1064,7 +1108,7 @@ class TensorCoreDecode:
                 if cutlass.const_expr(self.has_sink):
                     sink_log2 = mSink[head] * LOG2_E
                 lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
-                if real:
+                if real & (quad < self.dim // 4):  # the workspace has the padded head dim, O the real one
                     for i in cutlass.range_constexpr(4):
                         out[i] = o[k, i].to(self.q_dtype)
                     cute.autovec_copy(out, cute.local_tile(mO[batch, head, None], (4,), (quad,)))
@@ -1488,7 +1532,7 @@ def fake_decode_tensors(config: DecodeConfig):
     k = symbolic_tensor(cache_dtype, (*slots, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
     v = symbolic_tensor(cache_dtype, (*slots, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
     o = symbolic_tensor(q_dtype, queries, symbols=symbols)
-    part_o = symbolic_tensor(torch.float32, ("B", rows, "slots", d), symbols=symbols)
+    part_o = symbolic_tensor(torch.float32, ("B", rows, "slots", COMPUTED_HEAD_DIM[d]), symbols=symbols)
     seqlens = small(cutlass.Int32, ("B",))
     block_table = small(cutlass.Int32, ("B_table", "max_pages"))
     sink = small(cutlass.Float32, ("H_sink",))
@@ -1527,12 +1571,15 @@ def compile_matrix() -> list[DecodeConfig]:
     page size) x row tiles x warps (8 at D <= 128: pick_warps); the compiled-out features (sinks, LSE,
     and the serving extras) rotate so that each value meets every head dim and cache dtype."""
     flags = [(False, False), (True, False), (False, True), (True, True)]
-    layouts = [(dtype, cache, d, paged, tiles, warps) for dtype in ("float16", "bfloat16")
-               for cache in (dtype, *QUANTIZED) for d in HEAD_DIMS for paged in (False, True)
-               for tiles in ROW_TILES if tiles <= row_tiles(64, d)
-               for warps in WARPS if warps == 4 or d <= 128]
-    return [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps, *EXTRAS[i % len(EXTRAS)])
-            for i, (dtype, cache, d, paged, tiles, warps) in enumerate(layouts)]
+    configs = []
+    for d in HEAD_DIMS:  # the rotation counts each head dim's layouts from 0: each meets every value
+        layouts = [(dtype, cache, paged, tiles, warps) for dtype in ("float16", "bfloat16")
+                   for cache in (dtype, *QUANTIZED) for paged in (False, True)
+                   for tiles in ROW_TILES if tiles <= row_tiles(64, d)
+                   for warps in WARPS if warps == 4 or d <= 128]
+        configs += [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps, *EXTRAS[i % len(EXTRAS)])
+                    for i, (dtype, cache, paged, tiles, warps) in enumerate(layouts)]
+    return configs
 
 
 KERNEL_CONFIGS = compile_matrix()
@@ -1561,7 +1608,8 @@ def rotated_q_bytes(head_dim: int, tiles: int, rotary: str) -> int:
 def shared_bytes(head_dim: int, cache_dtype: str, tiles: int = 1, warps: int = 4, appends: bool = False,
                  rotary: str = "") -> int:
     """Bytes of the kernel's SharedStorage: the work area, Q's fragments (D = 256), the appended token's rows,
-    the rotated query rows and the last-block flag."""
+    the rotated query rows and the last-block flag (at the head dim the kernel computes with)."""
+    head_dim = COMPUTED_HEAD_DIM[head_dim]
     return -(-(work_bytes(head_dim, cache_dtype, warps) + q_fragment_bytes(head_dim, tiles)
                + new_token_bytes(head_dim, cache_dtype, appends) + rotated_q_bytes(head_dim, tiles, rotary) + 4)
              // 128) * 128
@@ -1575,6 +1623,7 @@ def ctas_per_sm(head_dim: int, cache_dtype: str = "float16", tiles: int = 1, war
     them), and 228 KB of shared memory per SM / (SharedStorage + the 1 KB the
     system reserves per CTA).
     """
+    head_dim = COMPUTED_HEAD_DIM[head_dim]
     registers = -(-REGISTERS_PER_THREAD[head_dim, cache_bytes(cache_dtype)] // 8) * 8  # allocated per warp in blocks of 256 = 8 per thread
     by_registers = 65536 // (registers * 32 * warps)
     by_shared = SHARED_BYTES_PER_SM // (shared_bytes(head_dim, cache_dtype, tiles, warps) + 1024)
@@ -1752,7 +1801,8 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     # Draft tokens are more rows of each KV head's group: n x G of them (draft_rows).
     group_size = shape.queries * shape.heads_q // shape.heads_kv
     drafts = shape.queries > 1
-    check_plan(plan, group_size, shape.head_dim)
+    computed_dim = COMPUTED_HEAD_DIM[shape.head_dim]  # what the plan's sizes and the workspace count
+    check_plan(plan, group_size, computed_dim)
     if check_lengths:  # values before devices, so that a CPU test reaches them (decode_attention checks again)
         validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale, cache_leftpad)
     validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
@@ -1764,7 +1814,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     max_keys = (shape.capacity if window_size_left < 0
                 else min(shape.capacity, window_size_left + shape.queries + num_sink_tokens))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    plan = choose_plan(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype,
+    plan = choose_plan(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, computed_dim, cache_dtype,
                        plan, num_splits)
     kv_ctas = shape.heads_kv * head_chunks(group_size, plan.row_tiles)
     rotary = "" if rotary_cos is None else "interleaved" if rotary_interleaved else "halves"
@@ -1781,7 +1831,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     no_angles = launch.placeholder(device, (1, ROTARY_CHUNK), q.dtype)          # rotary_cos, rotary_sin
     scalar_scales = k_scale is not None and k_scale.dim() == 0, v_scale is not None and v_scale.dim() == 0
     slots = workspace_slots(plan.num_splits)
-    part_o_shape = (shape.batch, shape.queries * shape.heads_q, slots, shape.head_dim)
+    part_o_shape = (shape.batch, shape.queries * shape.heads_q, slots, computed_dim)
     part_lse_shape = (shape.batch, shape.queries * shape.heads_q, slots)
     lse_shape = (shape.batch, shape.heads_q) + ((shape.queries,) if q.dim() == 4 else ())
     # q [B, 1, H_q, D] is one token per sequence: [B, H_q, D] to the kernel.

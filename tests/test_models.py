@@ -195,6 +195,20 @@ def test_incremental_decode_on_the_reference(backed_by, family):
     check_incremental(config, torch.bfloat16, token_ids(config, 2, 48, "cpu"), prompt=30)
 
 
+def head_dim_config(head_dim: int):
+    """A small Llama at a head dim other than 64, 128 and 256 (Phi-2's 80, Phi-3's 96, 192): prefill and decode
+    both take it (stage 9's decode computes it padded)."""
+    return models.llama_config(num_layers=2, hidden_size=256, vocab_size=512, num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 192])
+def test_incremental_decode_at_other_head_dims_on_the_reference(backed_by, head_dim):
+    backed_by(impl="reference")
+    config = head_dim_config(head_dim)
+    check_incremental(config, torch.bfloat16, token_ids(config, 2, 40, "cpu"), prompt=30)
+
+
 STATIC_CACHES = {
     "StaticCache": lambda model: transformers.StaticCache(config=model.config, max_cache_len=64),
     "graph-safe": lambda model: models.graph_safe_cache(model, max_cache_len=64),
@@ -683,6 +697,14 @@ def test_incremental_decode_on_gpu(kernels, family, dtype):
     """A 200-token prompt, then 20 single-token steps over the cache (the 128-token windows slide)."""
     config = gpu_config(family)
     check_incremental(config, dtype, token_ids(config, 2, 220, "cuda"), prompt=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [80, 96, 192])
+def test_incremental_decode_at_other_head_dims_on_gpu(kernels, head_dim):
+    """A 200-token prompt through prefill, then 20 steps through stage 9's decode at a padded head dim."""
+    config = head_dim_config(head_dim)
+    check_incremental(config, torch.bfloat16, token_ids(config, 2, 220, "cuda"), prompt=200)
 
 
 GPU_DRAFT_CACHES = {

@@ -15,7 +15,7 @@ from test_stage07_decode import (
     replaced,
 )
 
-from course.runtime import kv_cache, stages
+from course.runtime import kv_cache, stages, validation
 from course import testing
 
 STAGE = stages.get(9)
@@ -124,12 +124,23 @@ def test_two_levels_of_last_ctas(stage):
 
 # ---------------------------------------------------------------- validation (CPU)
 
+def test_head_dims_are_the_contracts(solution):
+    """The decode head dims the contract names for stage 9, each computed at 64, 128 or 256."""
+    assert solution.HEAD_DIMS == validation.DECODE_HEAD_DIMS_FROM_STAGE_9, (
+        f"HEAD_DIMS is {solution.HEAD_DIMS}; the contract (validation.DECODE_HEAD_DIMS_FROM_STAGE_9) names "
+        f"{validation.DECODE_HEAD_DIMS_FROM_STAGE_9}")
+    assert set(solution.COMPUTED_HEAD_DIM) == set(solution.HEAD_DIMS)
+    for d, computed in solution.COMPUTED_HEAD_DIM.items():
+        assert computed in (64, 128, 256) and computed >= d and d % 16 == 0, (d, computed)
+
+
 def fp8_cpu_inputs(**sizes):
     return kv_cache.fp8_decode_inputs(cpu_inputs(**sizes))
 
 
 BAD_INPUTS = {
-    **{name: case for name, case in STAGE7_BAD_INPUTS.items() if name != "draft-tokens-are-stage-9"},
+    **{name: case for name, case in STAGE7_BAD_INPUTS.items()
+       if name not in ("draft-tokens-are-stage-9", "head-dim-96-is-stage-9")},
     "fp8-without-scales": (lambda: {k: v for k, v in fp8_cpu_inputs().items() if k != "v_scale"}, {},
                            ValueError, "v_scale"),
     "fp8-scale-zero": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.tensor([1.0, 0.0])),
@@ -354,9 +365,10 @@ def test_cross_compiles_for_sm90a(stage, config):
     assert report.shared_bytes == expected_shared, (
         f"{report.name} uses {report.shared_bytes} bytes of shared memory; shared_bytes() says "
         f"{expected_shared}, and the automatic split count relies on it")
-    assert report.registers <= stage.REGISTERS_PER_THREAD[config.head_dim, bytes_per], (
+    budget = stage.REGISTERS_PER_THREAD[stage.COMPUTED_HEAD_DIM[config.head_dim], bytes_per]
+    assert report.registers <= budget, (
         f"{report.name} uses {report.registers} registers per thread; the automatic split count assumes at "
-        f"most {stage.REGISTERS_PER_THREAD[config.head_dim, bytes_per]} (REGISTERS_PER_THREAD): update it")
+        f"most {budget} (REGISTERS_PER_THREAD): update it")
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
@@ -534,6 +546,33 @@ def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, 
         plan=variant_plan(stage, variant, heads_q, heads_kv), **features)
 
 
+# 80, 96 and 192 as the launch picks, and (D <= 128) with the most row tiles on 8 warps.
+PADDED_DIMS = [(d, variant) for d in STAGE.load("solutions").HEAD_DIMS if d not in (64, 128, 256)
+               for variant in (None, "tiles-warps8") if variant is None or d <= 128]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", QUANTIZED)
+@pytest.mark.parametrize("head_dim, variant", PADDED_DIMS, ids=[f"d{d}{VARIANT_IDS[v]}" for d, v in PADDED_DIMS])
+def test_head_dims_computed_padded(stage, head_dim, variant, cache):
+    """80, 96 and 192, which the kernel computes as 128 and 256 with zero columns (COMPUTED_HEAD_DIM): the
+    cache's rows end at D (the next head's columns, or the end of the pool, follow), O and the LSE are
+    the real head dim's, with every mask feature and split counts of one and two levels."""
+    lengths = [0, 1, 127, 4097, 32768]
+    dtype = torch.bfloat16 if head_dim == 96 else torch.float16
+    for i, (layout, features) in enumerate(FEATURE_CASES.values()):
+        inputs = testing.random_decode_inputs(lengths, 48, 2, head_dim, dtype, page_size=LAYOUTS[layout],
+                                              seed=head_dim + i)
+        inputs, scales = quantized(inputs, cache)
+        features = dict(features)
+        if features.pop("sink_logits", False):
+            features["sink_logits"] = torch.randn(48, device="cuda") * 3
+        for num_splits in (1, 37):
+            run(stage, inputs, f"D={head_dim}, {cache} cache, {layout}, {features}, {variant}, splits {num_splits}",
+                return_lse=True, num_splits=num_splits, plan=variant_plan(stage, variant, 48, 2, head_dim),
+                **scales, **features)
+
+
 @pytest.mark.gpu
 def test_empty_sequences(stage):
     """Length 0: O = 0 and LSE = -inf, or the sink logit when there is one; never NaN."""
@@ -615,6 +654,10 @@ APPEND_CASES = [  # (dtype, D, layout, cache, rotary: (rotary_dim or 0, interlea
     # rotary_dim = D in halves: the partner piece is the thread's own (rotate_in_registers), 2 pieces per row
     ("float16", 64, "paged32", "16-bit", (64, False), 8, 2),
     ("bfloat16", 128, "contiguous", "fp8", (128, False), 16, 4),
+    # head dims computed padded (COMPUTED_HEAD_DIM): the staged rows' zero columns, the real pieces written
+    ("bfloat16", 96, "paged16", "fp8", (96, False), 32, 8),
+    ("float16", 80, "contiguous", "int8", (64, True), 16, 2),
+    ("bfloat16", 192, "paged64", "16-bit", (192, False), 16, 2),
 ]
 
 
@@ -915,6 +958,7 @@ DRAFT_CASES = {  # name: (n, H_q, H_kv, D, dtype, layout, cache, features)
     "3-mha-d256-window-0": (3, 16, 16, 256, "float16", "contiguous", "16-bit", {"window_size_left": 0}),
     "5-gqa4-d128-paged32-leftpad-window": (5, 16, 4, 128, "float16", "paged32", "16-bit",
                                            {"leftpad": True, "window_size_left": 33, "num_sink_tokens": 1}),
+    "2-gqa4-d96-paged64": (2, 16, 4, 96, "bfloat16", "paged64", "16-bit", {}),
 }
 
 

@@ -188,9 +188,10 @@ def test_alibi_dense_attention(stage, causal):
                                      alibi_slopes=slopes)
 
 
-def varlen_shape(tokens=4, batch=3, heads_q=32, heads_kv=8, head_dim=128, page_size=64, total_q=None):
+def varlen_shape(tokens=4, batch=3, heads_q=32, heads_kv=8, head_dim=128, page_size=64, total_q=None, head_dim_v=None):
     return validation.VarlenShape(batch, batch * tokens if total_q is None else total_q, 4096, heads_q, heads_kv,
-                                  head_dim, head_dim, page_size, 100 if page_size else 0)
+                                  head_dim, head_dim if head_dim_v is None else head_dim_v, page_size,
+                                  100 if page_size else 0)
 
 
 DRAFT_ROUTES = {  # name: (shape, max_seqlen_q, causal, window_size, stage 9 takes it)
@@ -203,7 +204,8 @@ DRAFT_ROUTES = {  # name: (shape, max_seqlen_q, causal, window_size, stage 9 tak
     "unequal-lengths": (varlen_shape(total_q=10), 4, True, (-1, -1), False),
     "packed-keys": (varlen_shape(page_size=0), 4, True, (-1, -1), False),
     "page-48": (varlen_shape(page_size=48), 4, True, (-1, -1), False),
-    "head-dim-96": (varlen_shape(head_dim=96), 4, True, (-1, -1), False),
+    "head-dim-96": (varlen_shape(head_dim=96), 4, True, (-1, -1), True),
+    "head-dims-192-128": (varlen_shape(head_dim=192, head_dim_v=128), 4, True, (-1, -1), False),
 }
 
 

@@ -326,7 +326,8 @@ def draft_tokens(q, k, v) -> bool:
     prefill would cut the real keys out."""
     backing = ops.backing()
     return (1 < q.shape[1] and q.shape[1] * q.shape[2] // k.shape[2] <= varlen.DRAFT_ROWS
-            and q.shape[-1] in validation.DECODE_HEAD_DIMS and backing.decode >= validation.DECODE_EXTRAS_STAGE[0]
+            and q.shape[-1] in validation.decode_head_dims(backing.decode)
+            and backing.decode >= validation.DECODE_EXTRAS_STAGE[0]
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
 
 

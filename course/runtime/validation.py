@@ -21,8 +21,17 @@ QUANTIZED_CACHE_DTYPES = (FP8_CACHE_DTYPE, INT8_CACHE_DTYPE)
 FP8_STAGE = (9, "tensor-core decode with an FP8 KV cache")
 # What stage 9 adds to decode besides its quantized caches: the serving step's extras.
 DECODE_EXTRAS_STAGE = (9, "tensor-core decode: fused append and RoPE, ALiBi, rolling cache, left padding, "
-                          "int8 cache, draft tokens")
-DECODE_HEAD_DIMS = (64, 128, 256)  # what the decode stages take
+                          "int8 cache, draft tokens, head dims 80, 96 and 192")
+DECODE_HEAD_DIMS = (64, 128, 256)  # what stage 7's decode takes
+# Stage 9 adds 80 and 96 (Phi-2, Phi-3) and 192 (its kernel computes them as 128 and 256, zeros past the real columns).
+DECODE_HEAD_DIMS_FROM_STAGE_9 = (64, 80, 96, 128, 192, 256)
+
+
+def decode_head_dims(stage: int) -> tuple[int, ...]:
+    """The head dims decode takes in ``stage``."""
+    return DECODE_HEAD_DIMS_FROM_STAGE_9 if stage >= DECODE_EXTRAS_STAGE[0] else DECODE_HEAD_DIMS
+
+
 INT32_MAX = 2**31 - 1  # the kernels take window sizes, sink-token and split counts as 32-bit ints
 # The kernels multiply scores by softmax_scale * log2(e) as a float32: it must be a normal float32
 # (a zero or denormal scale turns a masked score into -inf * 0 = NaN, an infinite one every score).
@@ -370,7 +379,7 @@ def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
 
 def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None,
                         window_size_left=-1, sink_logits=None, num_sink_tokens=0, num_splits=0, return_lse=False,
-                        out=None, head_dims=DECODE_HEAD_DIMS, page_sizes=(16, 32, 64, 128, 256), k_scale=None,
+                        out=None, head_dims=None, page_sizes=(16, 32, 64, 128, 256), k_scale=None,
                         v_scale=None, stage=7, max_token_stride=None, k_new=None, v_new=None, rotary_cos=None,
                         rotary_sin=None, rotary_interleaved=False, alibi_slopes=None,
                         cache_capacity=None, cache_leftpad=None) -> DecodeInputShape:
@@ -384,8 +393,11 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     a rolling cache (``cache_capacity``) and left padding (``cache_leftpad``) need stage 9.
     ``max_token_stride``: the stage's bound on the caches' token stride
     (dimension 1), in elements, if its copies step between tokens with 32-bit offsets.
+    ``head_dims``: what the stage takes (default: ``decode_head_dims(stage)``).
     """
     import torch
+
+    head_dims = decode_head_dims(stage) if head_dims is None else head_dims
 
     queries = _check_decode_q(q, stage)
     cache_layout = ("[batch, S_max, heads_kv, head_dim] (contiguous cache) or "
@@ -423,6 +435,10 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     if d_k != d:
         raise ValueError(f"q has head_dim {d} but k_cache/v_cache have head_dim {d_k}")
     if d not in head_dims:
+        if d in DECODE_HEAD_DIMS_FROM_STAGE_9 and stage < DECODE_EXTRAS_STAGE[0]:
+            raise NotImplementedError(f"head_dim {d} is not implemented in stage {stage}'s decode (it takes "
+                                      f"{', '.join(map(str, head_dims))}); stage {DECODE_EXTRAS_STAGE[0]} "
+                                      f"({DECODE_EXTRAS_STAGE[1]}) adds it")
         raise ValueError(f"head_dim {d} is not supported; supported: {', '.join(map(str, head_dims))}")
     if h_q % h_kv:
         raise ValueError(f"q has {h_q} heads and the cache has {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)")

@@ -17,6 +17,8 @@ median of the rounds. bf16 queries, D = 128, a contiguous cache.
 - ALiBi: the same call with and without slopes.
 - A rolling cache: window 4096 (+ 4 sink tokens) read from a ring of 4100 rows after 100k tokens,
   next to a contiguous cache holding the same 4100 tokens.
+- Head dims: stage 9 at every head dim it takes (80, 96 and 192 computed as 128 and 256, with zero
+  columns), GB/s of K and V read.
 - ALiBi in prefill: stage 10 on a packed batch of equal-length prompts with and without slopes,
   causal and not (eager calls, ``bench.time_in_rounds``).
 
@@ -36,6 +38,7 @@ APPEND_SHAPES = [(b, length, h_q, h_kv) for h_q, h_kv in ((32, 8), (64, 8)) for 
                  for length in (4096, 32768)]
 QUANTIZED_SHAPES = [(8, 32768, 32, 8), (64, 32768, 32, 8), (8, 131072, 32, 8)]
 WINDOW, SINKS, ROLLED_LENGTH = 4096, 4, 100_000
+HEAD_DIM_SHAPES = [(8, 32768, 32, 8), (64, 4096, 32, 8), (1, 32768, 32, 8)]
 PREFILL_SHAPE = (4, 4096, 16)  # ALiBi in prefill: B prompts of S tokens, H heads (H_q = H_kv)
 EAGER = ("fused append + RoPE", "unfused (RoPE, 2 index_copy_, attention)")  # also timed without a graph
 
@@ -157,6 +160,28 @@ def bench_alibi_and_rolling(stage) -> list[dict]:
     return rows
 
 
+def bench_head_dims(stage) -> list[dict]:
+    import torch
+
+    from course import testing
+
+    rows = []
+    for batch, length, heads_q, heads_kv in HEAD_DIM_SHAPES:
+        calls = {}
+        for d in stage.HEAD_DIMS:
+            inputs = testing.random_decode_inputs([length] * batch, heads_q, heads_kv, d, torch.bfloat16, seed=d)
+            calls[d] = functools.partial(stage.decode_attention, **inputs)
+        times = time_graphed(calls)
+        kv_bytes = {d: 2 * batch * length * heads_kv * d * 2 for d in calls}
+        rows.append({"batch": batch, "length": length, "heads_q": heads_q, "heads_kv": heads_kv,
+                     **{f"D{d} us": ms * 1000 for d, ms in times.items()},
+                     **{f"D{d} GB/s": kv_bytes[d] / ms / 1e6 for d, ms in times.items()}})
+        print(rows[-1], flush=True)
+        del calls
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench_alibi_prefill(stage) -> list[dict]:
     import torch
 
@@ -206,6 +231,15 @@ def render(results: dict) -> str:
         base = r["contiguous"]
         lines.append(f"| {r['batch']} | {base:.1f} | {r['rolling']:.1f} | {r['rolling'] / base:.3f} | "
                      f"{r['contiguous + ALiBi']:.1f} | {r['contiguous + ALiBi'] / base:.3f} |")
+    if results.get("head dims"):
+        dims = [int(key[1:-3]) for key in results["head dims"][0] if key.endswith(" us")]
+        lines += ["", "**Head dims** (microseconds per call, and GB/s of K and V read; 80 and 96 are computed as 128, "
+                  "192 as 256, with zero columns):", "",
+                  "| B | L | H_q/H_kv | " + " | ".join(f"D = {d}" for d in dims) + " |",
+                  "|---:|---:|---:|" + "---:|" * len(dims)]
+        for r in results["head dims"]:
+            cells = " | ".join(f"{r[f'D{d} us']:.1f} ({r[f'D{d} GB/s']:.0f})" for d in dims)
+            lines.append(f"| {r['batch']} | {r['length']} | {r['heads_q']}/{r['heads_kv']} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -230,7 +264,7 @@ def write_tables(results: dict, out_dir: Path) -> None:
 
 
 SECTIONS = {"append": (9, bench_append), "quantized": (9, bench_quantized), "rolling": (9, bench_alibi_and_rolling),
-            "prefill alibi": (10, bench_alibi_prefill)}
+            "head dims": (9, bench_head_dims), "prefill alibi": (10, bench_alibi_prefill)}
 
 
 def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
