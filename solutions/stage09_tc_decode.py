@@ -506,7 +506,7 @@ class TensorCoreDecode:
         self.has_sink = config.has_sink
         self.write_lse = config.write_lse
         self.k_elems = k_piece(config.cache_dtype)
-        self.v_elems = v_piece(config.cache_dtype, COMPUTED_HEAD_DIM[config.head_dim])
+        self.v_elems = v_piece(config.cache_dtype, self.head_dim)
         self.k_pieces = self.head_dim // 4 // self.k_elems  # a thread holds D / 4 of a K row
         self.v_pieces = self.head_dim // 8 // self.v_elems  # and D / 8 of a V row
         # The warp copies its 16 K (and V) rows as 16-byte chunks, a row's chunks on consecutive lanes:
@@ -871,7 +871,6 @@ class TensorCoreDecode:
                 scaled[e] = quantize_value(Float32(values[e]), scale, self.cache_name)
             stored.store(scaled.load().to(self.cache_dtype))
         return stored
-
 
     @cute.jit
     def stage_new_token(self, mK: cute.Tensor, mV: cute.Tensor, s_new_raw: cute.Tensor, angles: tuple,
@@ -1832,8 +1831,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     # Draft tokens are more rows of each KV head's group: n x G of them (draft_rows).
     group_size = shape.queries * shape.heads_q // shape.heads_kv
     drafts = shape.queries > 1
-    computed_dim = COMPUTED_HEAD_DIM[shape.head_dim]  # what the plan's sizes and the workspace count
-    check_plan(plan, group_size, computed_dim)
+    check_plan(plan, group_size, shape.head_dim)
     if check_lengths:  # values before devices, so that a CPU test reaches them (decode_attention checks again)
         validation.check_decode_values(cache_seqlens, block_table, shape, k_scale, v_scale, cache_leftpad)
     validation.check_on_gpu(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
@@ -1845,7 +1843,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     max_keys = (shape.capacity if window_size_left < 0
                 else min(shape.capacity, window_size_left + shape.queries + num_sink_tokens))
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    plan = choose_plan(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, computed_dim, cache_dtype,
+    plan = choose_plan(shape.batch, shape.heads_kv, group_size, max_keys, num_sms, shape.head_dim, cache_dtype,
                        plan, num_splits)
     kv_ctas = shape.heads_kv * head_chunks(group_size, plan.row_tiles)
     rotary = "" if rotary_cos is None else "interleaved" if rotary_interleaved else "halves"
@@ -1862,7 +1860,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     no_angles = launch.placeholder(device, (1, ROTARY_CHUNK), q.dtype)          # rotary_cos, rotary_sin
     scalar_scales = k_scale is not None and k_scale.dim() == 0, v_scale is not None and v_scale.dim() == 0
     slots = workspace_slots(plan.num_splits)
-    part_o_shape = (shape.batch, shape.queries * shape.heads_q, slots, computed_dim)
+    part_o_shape = (shape.batch, shape.queries * shape.heads_q, slots, COMPUTED_HEAD_DIM[shape.head_dim])
     part_lse_shape = (shape.batch, shape.queries * shape.heads_q, slots)
     lse_shape = (shape.batch, shape.heads_q) + ((shape.queries,) if q.dim() == 4 else ())
     # q [B, 1, H_q, D] is one token per sequence: [B, H_q, D] to the kernel.
