@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from course.runtime import stages
+from course.runtime import stages, validation
 
 
 def stage_number(text: str) -> int:
@@ -36,6 +36,20 @@ def head_groupings(text: str) -> tuple[tuple[int, int], ...]:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a list of head groupings H_q/H_kv (H_q a multiple of H_kv) separated by commas, "
             f"e.g. 32/8,64/1; stage 9 times {', '.join(f'{q}/{kv}' for q, kv in stages.GROUPINGS)}")
+    return pairs
+
+
+def head_dim_pairs(text: str) -> tuple[tuple[int, int], ...]:
+    """argparse type: "192,192/128,256" -> ((192, 192), (192, 128), (256, 256)), head dims as D or D/D_v."""
+    try:
+        pairs = tuple((int(d), int(v or d)) for d, _, v in (item.partition("/") for item in text.split(",")))
+    except ValueError:
+        pairs = ()
+    known = validation.HEAD_DIMS_FROM_STAGE_8
+    if not pairs or any(pair not in known for pair in pairs):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of head dims D or D/D_v separated by commas, e.g. 192,192/128,256; the prefill "
+            f"stages take {', '.join(str(d) if d == v else f'{d}/{v}' for d, v in known)}")
     return pairs
 
 
@@ -89,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
                        help="decode: only the shapes of these head groupings, e.g. 32/8,64/8, to split a long run "
                             "into parts (each merges its rows into OUT/bench.json; runs in other folders: "
                             "`python -m course.tools.results --merge`)")
+    bench.add_argument("--head-dims", type=head_dim_pairs, default=None, metavar="D[/D_V],...",
+                       help="prefill: only the shapes of these head dims, e.g. 192,192/128,256, and no ablation, "
+                            "ragged or backward rows (each run merges its rows into OUT/bench.json)")
     bench.add_argument("--replot", action="store_true",
                        help="time nothing: redraw the plots from OUT/bench.json (after a merge; no GPU needed)")
 
@@ -194,7 +211,8 @@ def main(argv=None) -> int:
         if args.replot:
             bench_mod.replot(args.out or bench_mod.DEFAULT_OUT)
             return 0
-        kwargs = {"impl": args.impl, "repeats": args.repeats, "groupings": args.groupings}
+        kwargs = {"impl": args.impl, "repeats": args.repeats, "groupings": args.groupings,
+                  "head_dims": args.head_dims}
         if args.out:
             kwargs["out_dir"] = args.out
         bench_mod.run(args.stage, **kwargs)

@@ -35,7 +35,8 @@ Every feature of stage 6 is kept (masks with tile skipping, both kinds of
 sink, LSE, GQA, fp16/bf16, any lengths), and ``merge_attention_states`` is
 stage 6's, unchanged. The head dims grow to those models use: 64, 80, 96, 128,
 192, 256 and (192, 128) for (Q and K, V); ``TILES`` picks the KV tile of
-each, as wide as shared memory allows.
+each, as wide as shared memory allows (from D = 192 up with O's buffers in
+Q's bytes, so the producer loads a CTA's next Q after its O stores).
 
 Run it:
     python -m course check 8 --impl solutions    # this stage's tests
@@ -78,6 +79,9 @@ class Tiles:
     mma_warpgroups: int
     tile_n: int
     windowed_tile_n: int = 0  # keys per KV tile under a left window, if fewer (its bounds take registers)
+    # O's buffers are the Q tile's bytes, each warpgroup's in its own 64 rows: no Q K^T reads them after the
+    # tile's last one, and the producer loads the next Q once the O stores have read them (wide head dims).
+    o_in_q: bool = False
 
     def keys_per_tile(self, has_left: bool) -> int:
         return self.windowed_tile_n if has_left and self.windowed_tile_n else self.tile_n
@@ -92,29 +96,35 @@ TILES = {
     (80, 80): Tiles(3, 80),
     (96, 96): Tiles(3, 96),
     (128, 128): Tiles(2, 128),
-    (192, 128): Tiles(2, 112),
-    (192, 192): Tiles(2, 80),
-    (256, 256): Tiles(2, 48),
+    (192, 128): Tiles(2, 128, o_in_q=True),
+    (192, 192): Tiles(2, 112, o_in_q=True),
+    (256, 256): Tiles(2, 80, o_in_q=True),
 }
 HEAD_DIMS = tuple(TILES)
 # setmaxnreg per warpgroup count: 128 * producer + 128 * warpgroups * mma <= 64K registers.
 REGISTERS = {2: (24, 240), 3: (24, 160)}  # (producer, MMA)
 # Local memory a configuration may use. With three warpgroups ptxas keeps a few scalars (tile coordinates, mask
 # bounds, stage 10's sequence offsets) in local memory, L1 hits reloaded a few times per tile, and how many moves
-# with any reordering of the code. The same code compiles with two warpgroups at D = 128, where nothing may spill:
-# that is where a loop that keeps values live it does not need shows.
+# with any reordering of the code. The same happens with two where O is 192 or 256 columns wide (96 or 128 of the
+# 240 registers): a few values only the epilogue reads (its warpgroup's O buffer and rows), reloaded once per tile.
+# The same code compiles with two warpgroups at D = 128, where nothing may spill: that is where a loop that keeps
+# values live it does not need shows.
 SPILL_BYTES_ALLOWED = {2: 0, 3: 128}
+WIDE_O_SPILL_BYTES_ALLOWED = 32  # two warpgroups, D_v >= 192
 
 
 def spill_bytes_allowed(config: prefill.KernelConfig) -> int:
+    if TILES[config.head_dim, config.dv].mma_warpgroups == 2 and config.dv >= 192:
+        return WIDE_O_SPILL_BYTES_ALLOWED
     return SPILL_BYTES_ALLOWED[TILES[config.head_dim, config.dv].mma_warpgroups]
 
 
 def shared_bytes(head_dim: int, head_dim_v: int, tiles: Tiles, dtype_bytes: int = 2) -> int:
-    """The kernel's buffers: the Q tile, KV_STAGES K and V tiles, and one 64-row O buffer per MMA warpgroup."""
+    """The kernel's buffers: the Q tile, KV_STAGES K and V tiles, and one 64-row O buffer per MMA warpgroup
+    (none with ``o_in_q``: O takes Q's bytes)."""
     tile_m = 64 * tiles.mma_warpgroups
-    elements = tile_m * head_dim + KV_STAGES * tiles.tile_n * (head_dim + head_dim_v) + tile_m * head_dim_v
-    return elements * dtype_bytes
+    o_elements = 0 if tiles.o_in_q else tile_m * head_dim_v
+    return (tile_m * head_dim + KV_STAGES * tiles.tile_n * (head_dim + head_dim_v) + o_elements) * dtype_bytes
 # --8<-- [end:tiles]
 SCHEDULER_THREADS = 256  # a ping-pong barrier: the MMA warpgroup that waits and the one that passes
 LOG2_E = math.log2(math.e)
@@ -584,7 +594,7 @@ def attend_kv_tiles_overlapped(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc
                                n_block_min: cutlass.Int32, n_block_max: cutlass.Int32, mask: WindowMask,
                                row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
                                scale_log2: cutlass.Float32, mma_wg: cutlass.Int32, num_wgs: cutlass.Constexpr,
-                               tight: cutlass.Constexpr):
+                               tight: cutlass.Constexpr, release_q: cutlass.Constexpr = True):
     """Steps 2 and 3: softmax(j) runs while O += P V(j-1) is on the tensor cores.
 
     P(j-1) stays in registers (``rP``) from one step to the next, as the A
@@ -595,8 +605,9 @@ def attend_kv_tiles_overlapped(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc
     ``row_scale`` instead of rescaling O, and P(j) is written over P(j-1) only
     after ``wait_group(0)``. The steps whose tile needs a mask and those that
     do not run in separate loops, so that the common ones have no branch.
-    Q is released as soon as its last Q K^T is done. Returns the advanced K and
-    V pipeline states (the caller rebinds them: see attend_kv_tiles_pingpong).
+    Q is released as soon as its last Q K^T is done (unless ``release_q`` is
+    False: O's buffers are Q's rows, and the epilogue releases Q). Returns the
+    advanced K and V pipeline states (the caller rebinds them: see attend_kv_tiles_pingpong).
     """
     kv_block, apply_mask, apply_full = mask.kv_block, mask.apply, mask.apply_full
     changes_full_tiles = mask.changes_full_tiles
@@ -625,7 +636,8 @@ def attend_kv_tiles_overlapped(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc
                         row_scale, scale_log2, mma_wg, num_wgs, tight, True)
         k_state.advance()
         v_state.advance()
-    pipeline_q.consumer_release(q_state)  # every Q K^T of this tile is done: the producer may load the next Q
+    if cutlass.const_expr(release_q):
+        pipeline_q.consumer_release(q_state)  # every Q K^T of this tile is done: the producer may load the next Q
     if n_tiles > 0:  # the last tile's P V
         pipeline_v.consumer_wait(v_state)
         warpgroup_gemm(pv_mma, acc_O, tOrP, tOrV[None, None, None, v_state.index], zero_init=False)
@@ -869,10 +881,14 @@ def store_o_tile(acc_O: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, gO: 
 
 @cute.jit
 def store_o_rows(acc_O: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, gO: cute.Tensor,
-                 pv_mma_wg: cute.TiledMma, mma_wg: cutlass.Int32, wg_tidx: cutlass.Int32, dtype: cutlass.Constexpr):
+                 pv_mma_wg: cute.TiledMma, mma_wg: cutlass.Int32, wg_tidx: cutlass.Int32, dtype: cutlass.Constexpr,
+                 o_in_q: cutlass.Constexpr = False):
     """Step.EPILOGUE: this warpgroup's 64 rows of O to its own buffer ``sO`` with stmatrix, then a TMA
     store that nobody waits for here. Its thread 0 waits at the next call, before the buffer is
-    written again (and once at the end of the kernel), so the store overlaps the next tile."""
+    written again (and once at the end of the kernel), so the store overlaps the next tile.
+
+    With ``o_in_q`` the buffer is the warpgroup's rows of Q, and the next Q may land there only once
+    the store has read them: thread 0 waits right after the store, and the caller releases Q."""
     rO = cute.make_rmem_tensor_like(acc_O, dtype)
     rO.store(acc_O.load().to(dtype))
     barrier = int(NamedBarrier.EPILOGUE_WG1) + mma_wg  # this warpgroup only: the others are a turn apart
@@ -890,6 +906,8 @@ def store_o_rows(acc_O: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, gO: 
     if wg_tidx == 0:
         cute.copy(tma_o, bOsO, bOgO)
         cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(o_in_q):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 # --8<-- [end:epilogue]
 
 
@@ -923,6 +941,7 @@ class Attention:
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then MMA warpgroups 0, 1, ...
         # The O tile's rows per shared-memory buffer, and its buffers (smem_layouts)
         self.o_rows, self.o_buffers = (64, self.num_wgs) if self.steps >= Step.EPILOGUE else (self.tile_m, 1)
+        self.o_in_q = tiles.o_in_q and self.steps >= Step.EPILOGUE  # (a warpgroup's rows of Q: Step.EPILOGUE's)
 
     # Every prefill stage has this signature, so one host function (course.runtime.prefill) compiles and
     # launches them all; a stage ignores the arguments of features it does not have yet.
@@ -995,6 +1014,11 @@ class Attention:
         # O gets buffers of its own, so that the producer may load the next tile's Q meanwhile:
         # with Step.EPILOGUE one of 64 rows per warpgroup, else one for the whole tile.
         sO_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.o_rows, n, dv), dtype, self.o_buffers)
+        if cutlass.const_expr(self.o_in_q):
+            # (64 rows, D_v columns, warpgroup) of Q's layout: warpgroup w's buffer is Q's rows 64 w .. 64 w + 63.
+            tiles = cute.zipped_divide(sQ_layout, (64, dv))  # ((64, D_v), (warpgroups, D // D_v))
+            sO_layout = cute.make_composed_layout(tiles.inner, 0, cute.append(
+                cute.get(tiles.outer, mode=[0]), cute.get(tiles.outer, mode=[1, 0])))
         return sQ_layout, sK_layout, sV_layout, sO_layout
 
     @cute.jit  # (traced: the struct's annotations are evaluated, which `from __future__ import annotations` defers)
@@ -1010,7 +1034,7 @@ class Attention:
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
-            sO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sO_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[dtype, 0 if self.o_in_q else cute.cosize(sO_layout)], 1024]
 
         self.shared_storage = SharedStorage
         one_stage = (None, None, 0)
@@ -1079,9 +1103,10 @@ class Attention:
                           pipeline_v, window_left, window_right, num_sink_tokens)
 
     def shared_tensors(self, storage, sQ_layout, sK_layout, sV_layout, sO_layout):
-        """sQ, sK, sV, sO: the buffers of ``storage`` with their swizzled layouts."""
+        """sQ, sK, sV, sO: the buffers of ``storage`` with their swizzled layouts (sO in sQ's bytes with ``o_in_q``)."""
         return tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
-            (storage.sQ, sQ_layout), (storage.sK, sK_layout), (storage.sV, sV_layout), (storage.sO, sO_layout)))
+            (storage.sQ, sQ_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
+            (storage.sQ if self.o_in_q else storage.sO, sO_layout)))
 
     def make_pipelines(self, storage):
         """The Q, K and V pipelines, on the mbarriers of ``storage``."""
@@ -1224,13 +1249,12 @@ class Attention:
                 k_state, v_state = attend_kv_tiles_overlapped(
                     qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_q, q_state, pipeline_k,
                     k_state, pipeline_v, v_state, tScS, n_tiles, n_block_min, n_block_max, mask, row_max, row_sum,
-                    row_scale, scale_log2, mma_wg, self.num_wgs, self.steps >= Step.SOFTMAX)
+                    row_scale, scale_log2, mma_wg, self.num_wgs, self.steps >= Step.SOFTMAX, not self.o_in_q)
             else:
                 k_state, v_state = attend_kv_tiles_pingpong(
                     qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_q, q_state, pipeline_k,
                     k_state, pipeline_v, v_state, tScS, n_tiles, n_block_min, n_block_max, mask, row_max, row_sum,
                     scale_log2, mma_wg, self.num_wgs)
-            q_state.advance()
 
             quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
             # Natural-log units, never scaled by softmax_scale; -inf without sink logits: no term at all.
@@ -1240,10 +1264,15 @@ class Attention:
                 store_lse(lse, mLSE, tScS, m_block * self.tile_m, mQ.shape[0], head, batch, mma_tidx)
             if cutlass.const_expr(self.steps >= Step.EPILOGUE):
                 gO = cute.local_tile(mO[None, None, head, batch], (64, dv), (m_block * self.num_wgs + mma_wg, 0))
-                store_o_rows(acc_O, sO[None, None, mma_wg], tma_o, gO, pv_mma_wg, mma_wg, wg_tidx, self.dtype)
+                store_o_rows(acc_O, sO[None, None, mma_wg], tma_o, gO, pv_mma_wg, mma_wg, wg_tidx, self.dtype,
+                             self.o_in_q)
+                if cutlass.const_expr(self.o_in_q):
+                    # Lane 0 of each warp arrives; warp 0's is the thread that waited for the store to read O.
+                    pipeline_q.consumer_release(q_state)
             else:
                 gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, dv), (m_block, 0))
                 store_o_tile(acc_O, sO[None, None, 0], tma_o, gO, pv_mma, mma_tidx, self.dtype, self.mma_threads)
+            q_state.advance()
         if cutlass.const_expr(self.steps >= Step.EPILOGUE):
             if wg_tidx == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last store has read sO before the CTA exits

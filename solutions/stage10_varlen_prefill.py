@@ -627,8 +627,7 @@ class VarlenAttention(Attention):
                 k_state, v_state = attend_kv_tiles_overlapped(
                     qk_mma, pv_mma, acc_S, acc_O, rP, tOrP, tSrQ, tSrK, tOrV, pipeline_q, q_state, pipeline_k,
                     k_state, pipeline_v, v_state, tScS, n_tiles, n_block_min, n_block_max, mask, row_max, row_sum,
-                    row_scale, scale_log2, mma_wg, self.num_wgs, True)
-                q_state.advance()
+                    row_scale, scale_log2, mma_wg, self.num_wgs, True, not self.o_in_q)
 
                 quad_allreduce(row_sum, cute.arch.warp_reduction_sum)
                 normalize_rows(acc_O, row_sum, row_max, scale_log2, mSinks[head] * LOG2_E, lse)
@@ -639,11 +638,15 @@ class VarlenAttention(Attention):
                 if row0 + 64 <= seqlen_q:
                     gO = cute.local_tile(cute.domain_offset((start_q, 0), tma_mO[None, None, head]), (64, dv),
                                          (m_block * self.num_wgs + mma_wg, 0))
-                    store_o_rows(acc_O, sO[None, None, mma_wg], tma_o, gO, pv_mma_wg, mma_wg, wg_tidx, self.dtype)
+                    store_o_rows(acc_O, sO[None, None, mma_wg], tma_o, gO, pv_mma_wg, mma_wg, wg_tidx, self.dtype,
+                                 self.o_in_q)
                 elif row0 < seqlen_q:
                     gO = cute.local_tile(cute.domain_offset((start_q, 0), mO[None, None, head]), (64, dv),
                                          (m_block * self.num_wgs + mma_wg, 0))
                     store_o_rows_bounded(acc_O, gO, pv_mma_wg, wg_tidx, seqlen_q - row0, self.dtype)
+                if cutlass.const_expr(self.o_in_q):
+                    pipeline_q.consumer_release(q_state)  # (stage 8's: after the store has read this warpgroup's O)
+                q_state.advance()
         if wg_tidx == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last store has read sO before the CTA exits
     # --8<-- [end:consumer]

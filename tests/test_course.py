@@ -508,6 +508,17 @@ def test_check_names_the_stages_for_an_unknown_number(argument, message, capsys)
     assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_bench_head_dims_take_the_prefill_pairs_and_name_them_when_wrong(capsys):
+    """`course bench --head-dims 192,192/128,256` splits a prefill run by head dims; an unknown one lists those there are."""
+    from course.__main__ import parser
+
+    assert parser().parse_args(["bench", "--head-dims", "192,192/128,256"]).head_dims == (
+        (192, 192), (192, 128), (256, 256))
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["bench", "--head-dims", "100"])
+    assert exited.value.code == 2 and "192/128" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("stage", [s for s in stages.STAGES if s.ready], ids=lambda s: f"stage{s.number}")
 def test_cpu_numerics_are_todos_with_tests(stage):
     """stage.cpu_numerics (what `course check` says the CPU covers) names TODO functions, and the stage has CPU tests."""
@@ -864,20 +875,23 @@ def test_tile_variants_render_shares_of_fa4_with_the_chosen_tiling_in_bold(tmp_p
     from course.tools import tile_variants
 
     stage = stages.get(8).load("solutions")
-    for head_dim, variants in tile_variants.VARIANTS.items():
-        chosen = stage.TILES[head_dim, head_dim]
-        assert (chosen.mma_warpgroups, chosen.tile_n) in variants, (head_dim, chosen)
-        for tiling in variants:
-            assert stage.shared_bytes(head_dim, head_dim, stage.Tiles(*tiling)) <= stage.SMEM_BYTES, tiling
+    for section in tile_variants.VARIANTS.values():
+        for dims, variants in section.items():
+            chosen = stage.TILES[dims]
+            assert (chosen.mma_warpgroups, chosen.tile_n, *((True,) if chosen.o_in_q else ())) in variants, (dims, chosen)
+            for tiling in variants:
+                tiles = stage.Tiles(tiling[0], tiling[1], o_in_q=tiling[2:] == (True,))
+                assert stage.shared_bytes(*dims, tiles) <= stage.SMEM_BYTES, tiling
     results = {"environment": {"gpu": "H100"}, "tilings": [
         {"label": "B=4 H=16 S_q=4096 S_k=4096 D=64 float16", "head_dim": 64,
          "tflops": {"FA4": 500.0, "SDPA cuDNN": 440.0, "2 x 128": 400.0, "3 x 128": 495.0}}]}
     (tmp_path / tile_variants.JSON).write_text(json.dumps(results))
     tile_variants.main(["--render", "--out", str(tmp_path)])
-    text = (tmp_path / tile_variants.TABLE).read_text()
+    text = (tmp_path / tile_variants.TABLES["tilings"]).read_text()
     assert "| B=4 H=16 S_q=4096 S_k=4096 D=64 float16 | 500 | 0.88 | 0.80 | - | - | - | - | - | **0.99** |" in text
     tile_variants.write_tables({"environment": {}}, tmp_path)
-    assert "Not measured yet" in (tmp_path / tile_variants.TABLE).read_text()
+    for name in tile_variants.TABLES.values():
+        assert "Not measured yet" in (tmp_path / name).read_text()
 
 
 def test_kv_cache_bench_renders_speedups_sizes_and_logit_differences(tmp_path):

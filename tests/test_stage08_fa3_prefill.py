@@ -154,14 +154,18 @@ def test_every_ablation_step_is_correct(stage, label, features):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
-def test_many_tiles_per_cta(stage, dtype, head_dim):
+@pytest.mark.parametrize("dims", list(validation.HEAD_DIMS_FROM_STAGE_8),
+                         ids=[f"d{d}" + (f"v{d_v}" if d_v != d else "") for d, d_v in validation.HEAD_DIMS_FROM_STAGE_8])
+def test_many_tiles_per_cta(stage, dtype, dims):
     """More (Q tile, head, batch) tiles than SMs, ragged last Q tiles and a short last group of heads:
-    each persistent CTA computes several tiles, and every tile exactly once."""
-    q, k, v = testing.random_qkv(3, 1000, 777, 20, 4, head_dim, dtype, seed=head_dim)  # 8 * 60 = 480 tiles
+    each persistent CTA computes several tiles, and every tile exactly once. From D = 192 up O's buffers
+    are Q's bytes (TILES' o_in_q), so a CTA's next Q must wait for its O stores."""
+    d, d_v = dims
+    q, k, v = testing.random_qkv(3, 1000, 777, 20, 4, d, dtype, seed=d + d_v, head_dim_v=d_v)  # 480 tiles or more
     for features in ({}, {"causal": True}):
-        out = stage.attention(q, k, v, out=testing.poisoned_like(q), **features)
-        testing.assert_attention_matches(out, q, k, v, where=f"480 tiles, {features}", **features)
+        out = torch.full((3, 1000, 20, d_v), float("nan"), device="cuda", dtype=dtype)
+        out = stage.attention(q, k, v, out=out, **features)
+        testing.assert_attention_matches(out, q, k, v, where=f"D={d}, D_v={d_v}, 480+ tiles, {features}", **features)
 
 
 @pytest.mark.gpu
@@ -194,9 +198,11 @@ def test_one_query_row(stage, features):
 
 
 @pytest.mark.gpu
-def test_back_to_back_launches_give_identical_bits(stage):
-    """200 launches of the same inputs: the warpgroups' barriers and the persistent loop leave no race."""
-    q, k, v = testing.random_qkv(2, 1500, 1500, 16, 4, 128, torch.float16, seed=5)
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256-o-in-q"])
+def test_back_to_back_launches_give_identical_bits(stage, head_dim):
+    """200 launches of the same inputs: the warpgroups' barriers and the persistent loop leave no race
+    (at D = 256 also none between a tile's O stores and the next Q, which share bytes)."""
+    q, k, v = testing.random_qkv(2, 1500, 1500, 16, 4, head_dim, torch.float16, seed=5)
     first = stage.attention(q, k, v, causal=True)
     for launch in range(200):
         out = stage.attention(q, k, v, causal=True, out=testing.poisoned_like(q))

@@ -343,11 +343,12 @@ def timed_stages(shape, stage_numbers) -> list[int]:
     return with_starting_stages([n for n in stage_numbers if shape in stages.get(n).bench_shapes])
 
 
-def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
-    """Every stage on its bench shapes (next to the stage it starts from, if any), and the baselines
-    once per distinct shape, all in the same rounds."""
+def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50, head_dims=None) -> list[dict]:
+    """Every stage on its bench shapes (only those of ``head_dims``, (D, D_v) pairs, if given; next to the stage
+    it starts from, if any), and the baselines once per distinct shape, all in the same rounds."""
     modules = {number: stages.get(number).load(impl) for number in with_starting_stages(stage_numbers)}
-    shapes = dict.fromkeys(shape for number in stage_numbers for shape in stages.get(number).bench_shapes)
+    shapes = dict.fromkeys(shape for number in stage_numbers for shape in stages.get(number).bench_shapes
+                           if head_dims is None or (shape.head_dim, shape.head_dim_v or shape.head_dim) in head_dims)
     rows = []
     for shape in shapes:
         kernels = {f"stage {n}": (n, modules[n].attention) for n in timed_stages(shape, stage_numbers)}
@@ -1064,10 +1065,11 @@ def replot(out_dir: Path = DEFAULT_OUT) -> list[str]:
 
 
 def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 50,
-        groupings=None) -> dict:
+        groupings=None, head_dims=None) -> dict:
     """Time ``stage_numbers`` (default: every ready stage; ``groupings``: only the decode shapes of these
-    (H_q, H_kv) pairs), merge the rows into ``out_dir``'s bench.json (``results.merge_into``: the rows of
-    what was not timed stay), write the tables (``course.tools.results``) and the plots there."""
+    (H_q, H_kv) pairs; ``head_dims``: only the prefill shapes of these (D, D_v) pairs, nothing else), merge
+    the rows into ``out_dir``'s bench.json (``results.merge_into``: the rows of what was not timed stay),
+    write the tables (``course.tools.results``) and the plots there."""
     import torch
 
     if not torch.cuda.is_available():
@@ -1076,14 +1078,16 @@ def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutio
     prefill = [n for n in numbers if stages.get(n).kind == "prefill"]
     decode = [n for n in numbers if stages.get(n).kind == "decode"]
     backward = [n for n in numbers if stages.get(n).kind == "backward"]
-    results = {"environment": environment(), "rows": bench_prefill(prefill, impl=impl, repeats=repeats)}
-    if backward:
+    results = {"environment": environment(),
+               "rows": bench_prefill(prefill, impl=impl, repeats=repeats, head_dims=head_dims)}
+    everything = head_dims is None  # else the prefill rows of those head dims only
+    if backward and everything:
         results["backward"] = {"rows": bench_backward(backward, impl=impl, repeats=repeats)}
-    if 8 in prefill:
+    if 8 in prefill and everything:
         results["ablation"] = bench_ablation(impl=impl, repeats=repeats)
-    if decode:
+    if decode and everything:
         results["decode"] = bench_decode(decode, impl=impl, repeats=repeats, groupings=groupings)
-    if any(stages.get(n).ragged_shapes for n in prefill):
+    if any(stages.get(n).ragged_shapes for n in prefill) and everything:
         results["varlen"] = {"rows": bench_ragged(prefill, impl=impl, repeats=repeats)}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,14 @@
 """Stage 8's tilings per head dim, forced and timed: the table of its page's "what decides the tiles".
 
-    python -m course.tools.tile_variants --out docs/results   # Hopper GPU: stage08-tilings.json and .md
-    python -m course.tools.tile_variants --render             # stage08-tilings.json -> the table, on any machine
+    python -m course.tools.tile_variants --out docs/results   # Hopper GPU: stage08-tilings.json and the tables
+    python -m course.tools.tile_variants --only wide --out docs/results   # the wide head dims' section again
+    python -m course.tools.tile_variants --render             # stage08-tilings.json -> the tables, on any machine
 
 Each variant is stage 8's kernel compiled with a forced ``Tiles`` (``Attention.forced_tiles``: MMA
-warpgroups x keys per KV tile) and timed by ``bench.time_prefill_shape`` next to FlashAttention-4 and SDPA's
-cuDNN backend on the same inputs, in the same rounds: fp16, causal and not, at the head dims where more
-than one tiling fits. The table gives each variant's TFLOP/s as a share of FA4's, the tiling ``TILES``
-chooses in bold. Never edit the outputs by hand.
+warpgroups x keys per KV tile, and from D = 192 up whether O takes Q's bytes) and timed by
+``bench.time_prefill_shape`` next to FlashAttention-4 and SDPA's cuDNN backend on the same inputs, in the
+same rounds: fp16, causal and not, at the head dims where more than one tiling fits. Each table gives each
+variant's TFLOP/s as a share of FA4's, the tiling ``TILES`` chooses in bold. Never edit the outputs by hand.
 """
 
 from __future__ import annotations
@@ -20,41 +21,65 @@ from course.tools import bench
 
 DEFAULT_OUT = bench.DEFAULT_OUT
 JSON = "stage08-tilings.json"
-TABLE = "stage08-tilings.md"
-VARIANTS = {  # (MMA warpgroups, keys per KV tile) per head dim, each within shared memory
-    64: [(2, 128), (2, 160), (2, 192), (3, 80), (3, 96), (3, 112), (3, 128)],
-    80: [(2, 128), (2, 160), (3, 80)],
-    96: [(2, 128), (2, 160), (3, 80), (3, 96)],
+# (MMA warpgroups, keys per KV tile[, O in Q's bytes]) per (D, D_v), each within shared memory
+VARIANTS = {
+    "tilings": {
+        (64, 64): [(2, 128), (2, 160), (2, 192), (3, 80), (3, 96), (3, 112), (3, 128)],
+        (80, 80): [(2, 128), (2, 160), (3, 80)],
+        (96, 96): [(2, 128), (2, 160), (3, 80), (3, 96)],
+    },
+    "wide head dims": {  # the widest tile with O buffers of its own, then narrower and wider ones with O in Q
+        (192, 128): [(2, 112), (2, 96, True), (2, 128, True)],
+        (192, 192): [(2, 80), (2, 96, True), (2, 112, True)],
+        (256, 256): [(2, 48), (2, 64, True), (2, 80, True)],
+    },
 }
-SHAPES = [PrefillShape(batch, heads if d == 64 else 16, seqlen, seqlen, d, causal=causal)
-          for d in VARIANTS for causal in (False, True)
-          for batch, heads, seqlen in ((4, 16, 4096), (2, 32, 8192))] + [
-    PrefillShape(16, 32, 1024, 1024, 64, causal=True)]  # short sequences: the last 192-row tile is mostly empty
+TABLES = {"tilings": "stage08-tilings.md", "wide head dims": "stage08-tilings-wide.md"}
+
+
+def section_shapes(section: str) -> list[PrefillShape]:
+    """4k and 8k tokens, causal and not: 16 heads (32 at D = 64 and 8k) below D = 192; from there H x D about 2048,
+    the FA3 paper's sweep (10 heads at D = 192, 8 at 256)."""
+    def heads(d: int, heads_at_64: int) -> int:
+        return heads_at_64 if d == 64 else 16 if d < 192 else 2048 // d
+
+    shapes = [PrefillShape(batch, heads(d, heads_at_64), seqlen, seqlen, d, causal=causal,
+                           head_dim_v=d_v if d_v != d else 0)
+              for d, d_v in VARIANTS[section] for causal in (False, True)
+              for batch, heads_at_64, seqlen in ((4, 16, 4096), (2, 32, 8192))]
+    if section == "tilings":  # short sequences: the last 192-row tile is mostly empty
+        shapes.append(PrefillShape(16, 32, 1024, 1024, 64, causal=True))
+    return shapes
+
+
 PEERS = ("FA4", "SDPA cuDNN")
 
 
 def variant_name(tiling) -> str:
-    return f"{tiling[0]} x {tiling[1]}"
+    return f"{tiling[0]} x {tiling[1]}" + (", O in Q" if tiling[2:] == (True,) else "")
 
 
 @cache
 def variant(stage, tiling: tuple):
-    """fn(q, k, v, **features): stage 8 compiled with ``Tiles(*tiling)`` (one kernel class per tiling, so
+    """fn(q, k, v, **features): stage 8 compiled with ``tiling`` as its ``Tiles`` (one kernel class per tiling, so
     each configuration compiles once)."""
     from course.runtime import prefill
 
-    kernel_class = type(f"Attention{tiling[0]}x{tiling[1]}", (stage.Attention,), {"forced_tiles": stage.Tiles(*tiling)})
+    tiles = stage.Tiles(tiling[0], tiling[1], o_in_q=tiling[2:] == (True,))
+    kernel_class = type(f"Attention{tiling[0]}x{tiling[1]}{'q' if tiles.o_in_q else ''}", (stage.Attention,),
+                        {"forced_tiles": tiles})
     return partial(prefill.attention, stage.STAGE, kernel_class)
 
 
-def timed_rows(stage) -> list[dict]:
-    """A row per shape: its label, head dim and {kernel: TFLOP/s}, the variants and the peers in the same rounds."""
+def timed_rows(stage, section: str) -> list[dict]:
+    """A row per shape: its label, head dims and {kernel: TFLOP/s}, the variants and the peers in the same rounds."""
     rows = []
-    for shape in SHAPES:
-        kernels = {variant_name(t): (8, variant(stage, t)) for t in VARIANTS[shape.head_dim]}
+    for shape in section_shapes(section):
+        dims = (shape.head_dim, shape.head_dim_v or shape.head_dim)
+        kernels = {variant_name(t): (8, variant(stage, t)) for t in VARIANTS[section][dims]}
         kernels.update({name: (None, fn) for name, fn in bench.baselines().items() if name in PEERS})
         timed = bench.time_prefill_shape(shape, kernels, repeats=50)
-        rows.append({"label": shape.label, "head_dim": shape.head_dim,
+        rows.append({"label": shape.label, "head_dim": dims[0], "head_dim_v": dims[1],
                      "tflops": {row["kernel"]: row["tflops"] for row in timed}})
     return rows
 
@@ -67,33 +92,34 @@ def _share(row: dict, name: str, chosen: str) -> str:
     return f"**{text}**" if name == chosen else text
 
 
-def table(results: dict) -> str:
+def table(results: dict, section: str = "tilings") -> str:
     from course.runtime import stages
 
     tiles = stages.get(8).load("solutions").TILES
-    names = list(dict.fromkeys(variant_name(t) for variants in VARIANTS.values() for t in variants))
+    names = list(dict.fromkeys(variant_name(t) for variants in VARIANTS[section].values() for t in variants))
     env = results.get("environment", {})
     lines = ["<!-- generated by python -m course.tools.tile_variants; do not edit -->",
              f"GPU: {env.get('gpu', '?')}; stage 8 with each tiling (MMA warpgroups x keys per KV tile): TFLOP/s "
              "as a share of FlashAttention-4's in the same rounds; fp16; `TILES`'s choice in bold.", "",
              "| shape | FA4 TFLOP/s | cuDNN | " + " | ".join(names) + " |",
              "|---|" + "---:|" * (len(names) + 2)]
-    for row in results.get("tilings", []):
-        tiling = tiles[row["head_dim"], row["head_dim"]]
-        chosen = variant_name((tiling.mma_warpgroups, tiling.tile_n))
+    for row in results.get(section, []):
+        tiling = tiles[row["head_dim"], row.get("head_dim_v", row["head_dim"])]
+        chosen = variant_name((tiling.mma_warpgroups, tiling.tile_n, tiling.o_in_q))
         fa4 = row["tflops"].get("FA4")
         cells = [f"{fa4:.0f}" if fa4 else "-", *(_share(row, name, chosen) for name in ("SDPA cuDNN", *names))]
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
-    if not results.get("tilings"):
+    if not results.get(section):
         lines.append("| Not measured yet: run the command above on a Hopper GPU. |" + " |" * (len(names) + 2))
     return "\n".join(lines) + "\n"
 
 
 def write_tables(results: dict, out_dir: Path) -> None:
-    (Path(out_dir) / TABLE).write_text(table(results))
+    for section, name in TABLES.items():
+        (Path(out_dir) / name).write_text(table(results, section))
 
 
-SECTIONS = {"tilings": timed_rows}
+SECTIONS = {section: partial(timed_rows, section=section) for section in VARIANTS}
 
 
 def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
