@@ -348,7 +348,7 @@ def bench_prefill(stage_numbers, *, impl: str = "solutions", repeats: int = 50, 
     it starts from, if any), and the baselines once per distinct shape, all in the same rounds."""
     modules = {number: stages.get(number).load(impl) for number in with_starting_stages(stage_numbers)}
     shapes = dict.fromkeys(shape for number in stage_numbers for shape in stages.get(number).bench_shapes
-                           if head_dims is None or (shape.head_dim, shape.head_dim_v or shape.head_dim) in head_dims)
+                           if head_dims is None or (shape.head_dim, shape.dv) in head_dims)
     rows = []
     for shape in shapes:
         kernels = {f"stage {n}": (n, modules[n].attention) for n in timed_stages(shape, stage_numbers)}

@@ -55,8 +55,17 @@ def section_shapes(section: str) -> list[PrefillShape]:
 PEERS = ("FA4", "SDPA cuDNN")
 
 
+def o_in_q(tiling) -> bool:
+    return tiling[2:] == (True,)
+
+
 def variant_name(tiling) -> str:
-    return f"{tiling[0]} x {tiling[1]}" + (", O in Q" if tiling[2:] == (True,) else "")
+    return f"{tiling[0]} x {tiling[1]}" + (", O in Q" if o_in_q(tiling) else "")
+
+
+def tiles_of(stage, tiling):
+    """``tiling`` as the stage's ``Tiles``."""
+    return stage.Tiles(tiling[0], tiling[1], o_in_q=o_in_q(tiling))
 
 
 @cache
@@ -65,7 +74,7 @@ def variant(stage, tiling: tuple):
     each configuration compiles once)."""
     from course.runtime import prefill
 
-    tiles = stage.Tiles(tiling[0], tiling[1], o_in_q=tiling[2:] == (True,))
+    tiles = tiles_of(stage, tiling)
     kernel_class = type(f"Attention{tiling[0]}x{tiling[1]}{'q' if tiles.o_in_q else ''}", (stage.Attention,),
                         {"forced_tiles": tiles})
     return partial(prefill.attention, stage.STAGE, kernel_class)
@@ -75,7 +84,7 @@ def timed_rows(stage, section: str) -> list[dict]:
     """A row per shape: its label, head dims and {kernel: TFLOP/s}, the variants and the peers in the same rounds."""
     rows = []
     for shape in section_shapes(section):
-        dims = (shape.head_dim, shape.head_dim_v or shape.head_dim)
+        dims = (shape.head_dim, shape.dv)
         kernels = {variant_name(t): (8, variant(stage, t)) for t in VARIANTS[section][dims]}
         kernels.update({name: (None, fn) for name, fn in bench.baselines().items() if name in PEERS})
         timed = bench.time_prefill_shape(shape, kernels, repeats=50)
