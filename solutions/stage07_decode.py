@@ -817,7 +817,8 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     shape = validation.check_decode_inputs(
         q, k_cache, v_cache, cache_seqlens, block_table=block_table, softmax_scale=softmax_scale,
         window_size_left=window_size_left, sink_logits=sink_logits, num_sink_tokens=num_sink_tokens,
-        num_splits=num_splits, return_lse=return_lse, out=out, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
+        num_splits=num_splits, return_lse=return_lse, out=out, head_dims=[(d, d) for d in HEAD_DIMS],
+        page_sizes=PAGE_SIZES,
     )
     if check_lengths:  # values before devices, so that a CPU test reaches them (decode_attention checks again)
         validation.check_decode_values(cache_seqlens, block_table, shape)

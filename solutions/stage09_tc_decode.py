@@ -95,9 +95,10 @@ from .stage07_decode import (  # noqa: F401
 
 STAGE = 9
 # --8<-- [start:computed_head_dim]
-HEAD_DIMS = (64, 80, 96, 128, 192, 256)
-# The head dim the kernel computes with: 80 and 96 (Phi-2, Phi-3) as 128, 192 as 256, their extra
-# columns zeros in shared memory and registers, never read from or written to memory.
+# (D_qk, D_v): (192, 128) is DeepSeek-V2/V3's MLA with its K and V expanded, as transformers runs it.
+HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
+# The head dim the kernel computes Q, K and V with, by D_qk: 80 and 96 (Phi-2, Phi-3) as 128, 192 as 256,
+# the extra columns (and V's past D_v) zeros in shared memory and registers, never read from or written to memory.
 COMPUTED_HEAD_DIM = {64: 64, 80: 128, 96: 128, 128: 128, 192: 256, 256: 256}
 # --8<-- [end:computed_head_dim]
 PAGE_SIZES = (16, 32, 64, 128, 256)  # powers of two: a row's page and slot are a shift and a mask;
@@ -500,8 +501,8 @@ class TensorCoreDecode:
         self.rolling = config.rolling
         self.leftpad = config.leftpad
         self.drafts = config.drafts
-        self.dim = config.head_dim                          # the tensors' head dim
-        self.head_dim = COMPUTED_HEAD_DIM[config.head_dim]  # the kernel's: zeros past self.dim
+        self.dim, self.dim_v = config.head_dim, config.dv   # the tensors' head dims: Q and K, V and O
+        self.head_dim = COMPUTED_HEAD_DIM[config.head_dim]  # the kernel's: zeros past self.dim (self.dim_v)
         self.paged = config.paged
         self.has_sink = config.has_sink
         self.write_lse = config.write_lse
@@ -513,6 +514,7 @@ class TensorCoreDecode:
         # every copy instruction reads whole rows, 512 contiguous-per-row bytes.
         self.chunks = self.head_dim // self.k_elems          # 16-byte chunks per row
         self.real_chunks = self.dim // self.k_elems          # those a copy fills; the rest stay zeros
+        self.real_v_chunks = self.dim_v // self.k_elems
         self.rows_per_copy = 32 // self.chunks               # rows one copy instruction covers
         self.copies = KEYS_PER_WARP // self.rows_per_copy    # copy instructions per 16 rows
         # At D = 256 the O accumulator alone takes 128 registers: Q's fragment waits in shared memory
@@ -725,26 +727,28 @@ class TensorCoreDecode:
         """Chunk ``chunk`` of a K row and of a V row (16 bytes each) into row ``tile_row`` of the warp's tiles,
         swizzled."""
         at = swizzle(tile_row, self.chunks) ^ chunk
-        if cutlass.const_expr(self.dim == self.head_dim):
-            cute.copy(atom, k_piece, sK[tile_row, at, None])
-            cute.copy(atom, v_piece, sV[tile_row, at, None])
-        else:
-            self.copy_or_zeros(atom, k_piece, sK[tile_row, at, None], chunk)
-            self.copy_or_zeros(atom, v_piece, sV[tile_row, at, None], chunk)
+        self.copy_or_zeros(atom, k_piece, sK[tile_row, at, None], chunk, self.real_chunks)
+        self.copy_or_zeros(atom, v_piece, sV[tile_row, at, None], chunk, self.real_v_chunks)
     # --8<-- [end:issue_loads]
 
     # --8<-- [start:copy_or_zeros]
     @cute.jit
-    def copy_or_zeros(self, atom, src: cute.Tensor, dst: cute.Tensor, chunk: Int32):
-        """A padded head dim (COMPUTED_HEAD_DIM): chunk ``chunk`` of a row copied if it holds real columns, else
-        zeros. A predicated cp.async is one with a source size of 0 for a false predicate: it reads nothing
-        and fills its 16 bytes with zeros. Q's padded columns are zeros too, so they add 0 to every score,
-        where stale shared memory could hold a NaN (0 x NaN = NaN). (A branch around the copy instead took
-        ptxas past its registers at D = 192.)"""
-        one_copy = cute.make_layout(((self.k_elems,), 1), stride=((1,), 0))
-        pred = cute.make_rmem_tensor(cute.make_layout(((self.k_elems,), 1), stride=((0,), 0)), cutlass.Boolean)
-        pred[0] = chunk < self.real_chunks
-        cute.copy(atom, cute.make_tensor(src.iterator, one_copy), cute.make_tensor(dst.iterator, one_copy), pred=pred)
+    def copy_or_zeros(self, atom, src: cute.Tensor, dst: cute.Tensor, chunk: Int32, real_chunks: int):
+        """The 16-byte piece ``chunk`` of a row of ``real_chunks`` pieces into a row of the computed head dim
+        (COMPUTED_HEAD_DIM): copied if it holds real columns, else zeros. A predicated cp.async is one with
+        a source size of 0 for a false predicate: it reads nothing and fills its 16 bytes with zeros. Q's
+        padded columns are zeros too, so they add 0 to every score, and V's to no column of O that is
+        stored, where stale shared memory could hold a NaN (0 x NaN = NaN). (A branch around the copy
+        instead took ptxas past its registers at D = 192.)"""
+        if cutlass.const_expr(real_chunks * cute.size(src) == self.head_dim):
+            cute.copy(atom, src, dst)  # a row with no padding
+        else:
+            elems = cute.size(src)
+            one_copy = cute.make_layout(((elems,), 1), stride=((1,), 0))
+            pred = cute.make_rmem_tensor(cute.make_layout(((elems,), 1), stride=((0,), 0)), cutlass.Boolean)
+            pred[0] = chunk < real_chunks
+            cute.copy(atom, cute.make_tensor(src.iterator, one_copy), cute.make_tensor(dst.iterator, one_copy),
+                      pred=pred)
     # --8<-- [end:copy_or_zeros]
 
     # --8<-- [start:ring_barrier]
@@ -785,10 +789,9 @@ class TensorCoreDecode:
         return piece
 
     @cute.jit
-    def copy_16_bytes(self, atom, src_row: cute.Tensor, dst_row: cute.Tensor, chunk: Int32):
-        """cp.async of 8 16-bit columns, piece ``chunk`` of a row."""
-        cute.copy(atom, cute.local_tile(src_row, (ROTARY_CHUNK,), (chunk,)),
-                  cute.local_tile(dst_row, (ROTARY_CHUNK,), (chunk,)))
+    def piece_of(self, row: cute.Tensor, piece: Int32) -> cute.Tensor:
+        """Piece ``piece`` of a 16-bit row: 8 columns, 16 bytes."""
+        return cute.local_tile(row, (ROTARY_CHUNK,), (piece,))
 
     @cute.jit
     def issue_staging(self, mQ: cute.Tensor, mKNew: cute.Tensor, mVNew: cute.Tensor, angles: tuple, batch: Int32,
@@ -801,38 +804,28 @@ class TensorCoreDecode:
         K/V copies and land before them: a load the compiler places after those copies waits behind
         them."""
         atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.q_dtype, num_bits_per_copy=128)
-        per_row = self.dim // ROTARY_CHUNK
-        copy_piece = self.copy_16_bytes
+        per_row = self.head_dim // ROTARY_CHUNK  # pieces of a staged row; those past the real ones are zeros
+        real, real_v = self.dim // ROTARY_CHUNK, self.dim_v // ROTARY_CHUNK
         if cutlass.const_expr(self.rotary):
             for i in cutlass.range(tidx, self.rows * per_row, self.num_threads, unroll=1):
-                row = i // per_row
-                copy_piece(atom, mQ[batch, first_head + cutlass.min(row, heads_here - 1), None], s_q_rows[row, None],
-                           i % per_row)
-            self.zero_columns_past_dim(s_q_rows, tidx)
+                row, piece = i // per_row, i % per_row
+                self.copy_or_zeros(atom, self.piece_of(mQ[batch, first_head + cutlass.min(row, heads_here - 1), None],
+                                                       piece), self.piece_of(s_q_rows[row, None], piece), piece, real)
             per_angles = angles[0].shape[0] // ROTARY_CHUNK  # rotary_dim / 16 pieces per table
             for i in cutlass.range(tidx, 2 * per_angles, self.num_threads, unroll=1):
                 if i < per_angles:
-                    copy_piece(atom, angles[0], s_angles[0], i)
+                    cute.copy(atom, self.piece_of(angles[0], i), self.piece_of(s_angles[0], i))
                 else:
-                    copy_piece(atom, angles[1], s_angles[1], i - per_angles)
+                    cute.copy(atom, self.piece_of(angles[1], i - per_angles), self.piece_of(s_angles[1], i - per_angles))
         if stages_token:
             for i in cutlass.range(tidx, 2 * per_row, self.num_threads, unroll=1):
+                piece = i % per_row
                 if i < per_row:
-                    copy_piece(atom, mKNew[batch, head_kv, None], s_new_raw[0, None], i)
+                    self.copy_or_zeros(atom, self.piece_of(mKNew[batch, head_kv, None], piece),
+                                       self.piece_of(s_new_raw[0, None], piece), piece, real)
                 else:
-                    copy_piece(atom, mVNew[batch, head_kv, None], s_new_raw[1, None], i - per_row)
-            self.zero_columns_past_dim(s_new_raw, tidx)
-
-    @cute.jit
-    def zero_columns_past_dim(self, rows: cute.Tensor, tidx: Int32):
-        """A padded head dim: zeros into the columns of ``rows`` [n, D] past the real ones, 8 at a time."""
-        if cutlass.const_expr(self.dim < self.head_dim):
-            pad = (self.head_dim - self.dim) // ROTARY_CHUNK
-            zeros = cute.make_rmem_tensor((ROTARY_CHUNK,), Float32)
-            zeros.fill(0.0)
-            for i in cutlass.range(tidx, cute.size(rows, mode=[0]) * pad, self.num_threads, unroll=1):
-                piece = self.dim // ROTARY_CHUNK + i % pad
-                cute.local_tile(rows[i // pad, None], (ROTARY_CHUNK,), (piece,)).store(zeros.load().to(rows.element_type))
+                    self.copy_or_zeros(atom, self.piece_of(mVNew[batch, head_kv, None], piece),
+                                       self.piece_of(s_new_raw[1, None], piece), piece, real_v)
 
     @cute.jit
     def rotate_q_rows(self, s_q_rows: cute.Tensor, angles: tuple, tidx: Int32):
@@ -894,7 +887,7 @@ class TensorCoreDecode:
                 stored.store(self.as_stored(values, v_scale).load())
             which = tidx // self.chunks  # 0: K, 1: V
             cute.autovec_copy(stored, cute.local_tile(s_new[which, None], (self.k_elems,), (piece,)))
-            if writes & (piece < self.real_chunks):
+            if writes & (piece < cutlass.select_(which == 0, Int32(self.real_chunks), Int32(self.real_v_chunks))):
                 page_or_batch = batch
                 if cutlass.const_expr(self.paged):
                     page_shift = cute.arch.log2_of_pow2_int(Int32(mK.shape[1]))
@@ -1138,7 +1131,7 @@ class TensorCoreDecode:
                 if cutlass.const_expr(self.has_sink):
                     sink_log2 = mSink[head] * LOG2_E
                 lse = finish_combine(state[k, None], o[k, None], sink_log2, self.has_sink)
-                if real & (quad < self.dim // 4):  # the workspace has the padded head dim, O the real one
+                if real & (quad < self.dim_v // 4):  # the workspace has the padded head dim, O the real one
                     for i in cutlass.range_constexpr(4):
                         out[i] = o[k, i].to(self.q_dtype)
                     cute.autovec_copy(out, cute.local_tile(mO[batch, head, None], (4,), (quad,)))
@@ -1519,6 +1512,7 @@ class DecodeConfig:
     rolling: bool = False      # a rolling cache (cache_capacity rows)
     leftpad: bool = False      # cache_leftpad: each sequence's keys start at its own row
     drafts: bool = False       # q [B, n, H_q, D]: n query tokens per sequence (speculative decoding's drafts)
+    head_dim_v: int = 0        # V's and O's head dim, 0 for head_dim (a split pair of HEAD_DIMS)
 
     def __post_init__(self):
         if not self.cache_dtype:
@@ -1529,6 +1523,10 @@ class DecodeConfig:
         return cute_dtype(_torch_dtype(self.dtype))
 
     @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+    @property
     def name(self) -> str:
         layout = "paged" if self.paged else "contiguous"
         cache = {"float8_e4m3fn": "_fp8", "int8": "_int8"}.get(self.cache_dtype, "")
@@ -1537,7 +1535,8 @@ class DecodeConfig:
         extras = (f"{'_append' if self.appends else ''}{'_rope-' + self.rotary if self.rotary else ''}"
                   f"{'_alibi' if self.alibi else ''}{'_rolling' if self.rolling else ''}"
                   f"{'_leftpad' if self.leftpad else ''}{'_drafts' if self.drafts else ''}")
-        return (f"{self.dtype}{cache}_d{self.head_dim}_{layout}{rows}{warps}"
+        dims = f"d{self.head_dim}" + (f"v{self.dv}" if self.dv != self.head_dim else "")
+        return (f"{self.dtype}{cache}_{dims}_{layout}{rows}{warps}"
                 f"{'_sink' if self.has_sink else ''}{'_lse' if self.write_lse else ''}{extras}")
 
 
@@ -1552,16 +1551,17 @@ def fake_decode_tensors(config: DecodeConfig):
         stride = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
         return make_fake_tensor(dtype, extents, stride, assumed_align=4)
 
-    q_dtype, cache_dtype, d = _torch_dtype(config.dtype), _torch_dtype(config.cache_dtype), config.head_dim
+    q_dtype, cache_dtype = _torch_dtype(config.dtype), _torch_dtype(config.cache_dtype)
+    d, dv = config.head_dim, config.dv
     # Draft tokens: q and O [B, n, H_q, D], the LSE [B, H_q, n], the workspace's rows one per (token, head).
-    queries = ("B", "n", "H_q", d) if config.drafts else ("B", "H_q", d)
+    queries = ("B", "n", "H_q") if config.drafts else ("B", "H_q")
     rows = "rows" if config.drafts else "H_q"
-    q = symbolic_tensor(q_dtype, queries, symbols=symbols)
+    q = symbolic_tensor(q_dtype, (*queries, d), symbols=symbols)
     slots = ("pages", "page_size") if config.paged else ("B_kv", "S_max")
     per_16_bytes = 16 // cache_dtype.itemsize  # 16-byte copies: rows start on 16-byte boundaries
     k = symbolic_tensor(cache_dtype, (*slots, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
-    v = symbolic_tensor(cache_dtype, (*slots, "H_kv", d), symbols=symbols, stride_divisibility=per_16_bytes)
-    o = symbolic_tensor(q_dtype, queries, symbols=symbols)
+    v = symbolic_tensor(cache_dtype, (*slots, "H_kv", dv), symbols=symbols, stride_divisibility=per_16_bytes)
+    o = symbolic_tensor(q_dtype, (*queries, dv), symbols=symbols)
     part_o = symbolic_tensor(torch.float32, ("B", rows, "slots", COMPUTED_HEAD_DIM[d]), symbols=symbols)
     seqlens = small(cutlass.Int32, ("B",))
     block_table = small(cutlass.Int32, ("B_table", "max_pages"))
@@ -1574,7 +1574,7 @@ def fake_decode_tensors(config: DecodeConfig):
     # The new token's K and V, [B_new, H_kv_new, D] (1 x 1 x D placeholders without appends), and the
     # rotary angles [positions, rotary_dim / 2] (rows of 16 bytes: rotary_dim is a multiple of 16).
     k_new = symbolic_tensor(q_dtype, ("B_new", "H_kv_new", d), symbols=symbols)
-    v_new = symbolic_tensor(q_dtype, ("B_new", "H_kv_new", d), symbols=symbols)
+    v_new = symbolic_tensor(q_dtype, ("B_new", "H_kv_new", dv), symbols=symbols)
     cos = symbolic_tensor(q_dtype, ("positions", "half_rotary"), symbols=symbols)
     sin = symbolic_tensor(q_dtype, ("positions", "half_rotary"), symbols=symbols)
     alibi = small(cutlass.Float32, ("H_alibi",))
@@ -1602,12 +1602,13 @@ def compile_matrix() -> list[DecodeConfig]:
     and the serving extras) rotate so that each value meets every head dim and cache dtype."""
     flags = [(False, False), (True, False), (False, True), (True, True)]
     configs = []
-    for d in HEAD_DIMS:  # the rotation counts each head dim's layouts from 0: each meets every value
+    for d, dv in HEAD_DIMS:  # the rotation counts each head dim's layouts from 0: each meets every value
         layouts = [(dtype, cache, paged, tiles, warps) for dtype in ("float16", "bfloat16")
                    for cache in (dtype, *QUANTIZED) for paged in (False, True)
                    for tiles in ROW_TILES if tiles <= row_tiles(64, d)
                    for warps in WARPS if warps == 4 or d <= 128]
-        configs += [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps, *EXTRAS[i % len(EXTRAS)])
+        configs += [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps, *EXTRAS[i % len(EXTRAS)],
+                                 head_dim_v=dv if dv != d else 0)
                     for i, (dtype, cache, paged, tiles, warps) in enumerate(layouts)]
     return configs
 
@@ -1751,8 +1752,9 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     docs/contract.md.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D], or paged [num_pages,
-    page_size, H_kv, D] with block_table [B, max_pages] int32; cache_seqlens
-    [B] int32. The cache is q's dtype, or float8_e4m3fn or int8 with ``k_scale``,
+    page_size, H_kv, D] with block_table [B, max_pages] int32, v_cache's D
+    being D_v where a pair of HEAD_DIMS splits them (O then has D_v columns);
+    cache_seqlens [B] int32. The cache is q's dtype, or float8_e4m3fn or int8 with ``k_scale``,
     ``v_scale`` (float32, [H_kv] or scalar tensors; the cache holds K / k_scale
     and V / v_scale: ``course.runtime.kv_cache.quantize_kv_cache`` makes one). Returns
     o [B, H_q, D] (and lse [B, H_q] float32 with return_lse). ``out``
@@ -1765,7 +1767,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
     replaces the rules' row tiles, warps and split count.
 
     The serving step's extras, each compiled out when unused:
-    ``k_new``, ``v_new`` [B, H_kv, D] (q's dtype): the new token, at position
+    ``k_new``, ``v_new`` [B, H_kv, D] and [B, H_kv, D_v] (q's dtype): the new token, at position
     cache_seqlens[b] (the tokens before it), is written to the cache there
     (quantized for a quantized cache) and attended to with the cache_seqlens[b]
     before it; ``cache_seqlens`` is not changed (the caller adds 1).
@@ -1850,13 +1852,15 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     config = DecodeConfig(str(q.dtype).removeprefix("torch."), shape.head_dim,
                           block_table is not None, cache_dtype, sink_logits is not None,
                           bool(return_lse), plan.row_tiles, plan.warps, shape.appends, rotary,
-                          alibi_slopes is not None, shape.rolling > 0, cache_leftpad is not None, drafts)
+                          alibi_slopes is not None, shape.rolling > 0, cache_leftpad is not None, drafts,
+                          shape.head_dim_v)
     kernel = launch.compiled((TensorCoreDecode, config), lambda: kernel_and_args(config))
     scale_log2 = validation.resolve_scale(softmax_scale, shape.head_dim) * LOG2_E
     no_scale, no_lse = launch.placeholder(device, (1,)), launch.placeholder(device, (1, 1, 1) if drafts else (1, 1))
     no_table = launch.placeholder(device, (1, 1), torch.int32)
     no_leftpad = launch.placeholder(device, (1,), torch.int32)
-    no_row = launch.placeholder(device, (1, 1, shape.head_dim), q.dtype)        # k_new, v_new
+    no_k_row = launch.placeholder(device, (1, 1, shape.head_dim), q.dtype)      # k_new
+    no_v_row = launch.placeholder(device, (1, 1, shape.dv), q.dtype)            # v_new
     no_angles = launch.placeholder(device, (1, ROTARY_CHUNK), q.dtype)          # rotary_cos, rotary_sin
     scalar_scales = k_scale is not None and k_scale.dim() == 0, v_scale is not None and v_scale.dim() == 0
     slots = workspace_slots(plan.num_splits)
@@ -1871,7 +1875,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
     def run(q, k_cache, v_cache, cache_seqlens, block_table, sink_logits, k_scale, v_scale, out, k_new=None,
             v_new=None, rotary_cos=None, rotary_sin=None, alibi_slopes=None, cache_leftpad=None):
         if out is None:
-            out = q.new_empty(q.shape)
+            out = q.new_empty((*q.shape[:-1], shape.dv))
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if return_lse else no_lse
         part_o, part_lse = partials.views()
         q_, out_, lse_ = q, out, lse
@@ -1882,7 +1886,7 @@ def plan_launch(q, k_cache, v_cache, cache_seqlens, *, block_table, softmax_scal
                no_scale if k_scale is None else k_scale.reshape(1) if scalar_scales[0] else k_scale,
                no_scale if v_scale is None else v_scale.reshape(1) if scalar_scales[1] else v_scale,
                out_, lse_, part_o, part_lse, launch.decode_counters(device, num_counters),
-               no_row if k_new is None else k_new, no_row if v_new is None else v_new,
+               no_k_row if k_new is None else k_new, no_v_row if v_new is None else v_new,
                no_angles if rotary_cos is None else rotary_cos, no_angles if rotary_sin is None else rotary_sin,
                no_scale if alibi_slopes is None else alibi_slopes,
                no_leftpad if cache_leftpad is None else cache_leftpad, scale_log2,

@@ -209,6 +209,18 @@ def test_incremental_decode_at_other_head_dims_on_the_reference(backed_by, head_
     check_incremental(config, torch.bfloat16, token_ids(config, 2, 40, "cpu"), prompt=30)
 
 
+@pytest.mark.parametrize("check", ["full", "incremental"])
+def test_deepseek_v3_mla_on_the_reference(backed_by, check):
+    """DeepSeek-V3's attention: q and k of 192 columns, v of 128, through prefill and decode."""
+    backed_by(impl="reference")
+    config = models.deepseek_v3_config(num_layers=2, hidden_size=256, vocab_size=512)
+    ids = token_ids(config, 2, 40, "cpu")
+    if check == "full":
+        check_full_sequence(config, torch.bfloat16, ids)
+    else:
+        check_incremental(config, torch.bfloat16, ids, prompt=30)
+
+
 STATIC_CACHES = {
     "StaticCache": lambda model: transformers.StaticCache(config=model.config, max_cache_len=64),
     "graph-safe": lambda model: models.graph_safe_cache(model, max_cache_len=64),
@@ -705,6 +717,16 @@ def test_incremental_decode_at_other_head_dims_on_gpu(kernels, head_dim):
     """A 200-token prompt through prefill, then 20 steps through stage 9's decode at a padded head dim."""
     config = head_dim_config(head_dim)
     check_incremental(config, torch.bfloat16, token_ids(config, 2, 220, "cuda"), prompt=200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_deepseek_v3_mla_on_gpu(kernels, dtype):
+    """A 200-token prompt through prefill at (192, 128), then 20 steps through stage 9's decode at (192, 128),
+    and draft tokens of 4."""
+    config = models.deepseek_v3_config(num_layers=2, hidden_size=256, vocab_size=512)
+    check_incremental(config, dtype, token_ids(config, 2, 220, "cuda"), prompt=200)
+    check_incremental(config, dtype, token_ids(config, 2, 216, "cuda"), prompt=200, step=4)
 
 
 GPU_DRAFT_CACHES = {

@@ -152,6 +152,8 @@ BAD_INPUTS = {
     "fp32": (lambda: cpu_inputs(dtype=torch.float32), {}, TypeError, "float16"),
     "head-dim": (lambda: cpu_inputs(d=72), {}, ValueError, "head_dim 72 is not supported"),
     "head-dim-96-is-stage-9": (lambda: cpu_inputs(d=96), {}, NotImplementedError, "head_dim 96 .* stage 9"),
+    "split-head-dims-are-stage-9": (lambda: (i := cpu_inputs(d=192)) and replaced(i, v_cache=i["v_cache"][..., :128]),
+                                    {}, NotImplementedError, "head_dim 192 for q and k with 128 for v .* stage 9"),
     "gqa-ratio": (lambda: cpu_inputs(h_q=6, h_kv=4), {}, ValueError, "multiple of H_kv"),
     "seqlens-int64": (lambda: (i := cpu_inputs()) and replaced(i, cache_seqlens=i["cache_seqlens"].long()), {},
                       TypeError, "int32"),

@@ -129,9 +129,15 @@ def test_head_dims_are_the_contracts(solution):
     assert solution.HEAD_DIMS == validation.DECODE_HEAD_DIMS_FROM_STAGE_9, (
         f"HEAD_DIMS is {solution.HEAD_DIMS}; the contract (validation.DECODE_HEAD_DIMS_FROM_STAGE_9) names "
         f"{validation.DECODE_HEAD_DIMS_FROM_STAGE_9}")
-    assert set(solution.COMPUTED_HEAD_DIM) == set(solution.HEAD_DIMS)
+    assert set(solution.COMPUTED_HEAD_DIM) == {d for d, _ in solution.HEAD_DIMS}
+    assert all(d_v <= d for d, d_v in solution.HEAD_DIMS), "V is computed at Q's and K's padded head dim"
     for d, computed in solution.COMPUTED_HEAD_DIM.items():
         assert computed in (64, 128, 256) and computed >= d and d % 16 == 0, (d, computed)
+
+
+def split_cpu_inputs():
+    """Decode inputs at (D, D_v) = (192, 128) on the CPU."""
+    return testing.random_decode_inputs([5, 9], 4, 2, 192, torch.float16, head_dim_v=128, device="cpu")
 
 
 def fp8_cpu_inputs(**sizes):
@@ -140,7 +146,16 @@ def fp8_cpu_inputs(**sizes):
 
 BAD_INPUTS = {
     **{name: case for name, case in STAGE7_BAD_INPUTS.items()
-       if name not in ("draft-tokens-are-stage-9", "head-dim-96-is-stage-9")},
+       if name not in ("draft-tokens-are-stage-9", "head-dim-96-is-stage-9", "split-head-dims-are-stage-9")},
+    "split-head-dims-pair": (lambda: (i := cpu_inputs(d=128)) and replaced(i, v_cache=i["v_cache"][..., :64]), {},
+                             ValueError, "head_dim 128 for q and k with 64 for v is not supported; supported: .*"
+                                         "or 192 for q and k with 128 for v"),
+    "split-head-dims-out": (lambda: split_cpu_inputs(), {"out": torch.empty(2, 4, 192, dtype=torch.float16)},
+                            ValueError, r"out has shape \(2, 4, 192\); expected \(2, 4, 128\) like q with v's"),
+    "split-head-dims-v-new": (lambda: split_cpu_inputs(), {"k_new": torch.zeros(2, 2, 192, dtype=torch.float16),
+                                                          "v_new": torch.zeros(2, 2, 192, dtype=torch.float16)},
+                              ValueError, r"v_new has shape \(2, 2, 192\).*\[2, 2, 128\]"),
+    "split-head-dims-valid-reaches-the-device-check": (lambda: split_cpu_inputs(), {}, ValueError, "CUDA"),
     "fp8-without-scales": (lambda: {k: v for k, v in fp8_cpu_inputs().items() if k != "v_scale"}, {},
                            ValueError, "v_scale"),
     "fp8-scale-zero": (lambda: replaced(fp8_cpu_inputs(), k_scale=torch.tensor([1.0, 0.0])),
@@ -323,13 +338,13 @@ CONFIGS = STAGE.load("solutions").KERNEL_CONFIGS
 
 
 def test_compile_matrix_covers_every_option(solution):
-    layouts = {(c.dtype, c.cache_dtype, c.head_dim, c.paged, c.row_tiles, c.warps) for c in CONFIGS}
-    assert layouts == {(t, cache, d, p, tiles, warps) for t in ("float16", "bfloat16")
-                       for cache in (t, *solution.QUANTIZED) for d in solution.HEAD_DIMS for p in (False, True)
+    layouts = {(c.dtype, c.cache_dtype, (c.head_dim, c.dv), c.paged, c.row_tiles, c.warps) for c in CONFIGS}
+    assert layouts == {(t, cache, (d, d_v), p, tiles, warps) for t in ("float16", "bfloat16")
+                       for cache in (t, *solution.QUANTIZED) for d, d_v in solution.HEAD_DIMS for p in (False, True)
                        for tiles in solution.ROW_TILES if tiles <= solution.row_tiles(64, d)
                        for warps in solution.WARPS if warps == 4 or d <= 128}
-    for d in solution.HEAD_DIMS:
-        here = [c for c in CONFIGS if c.head_dim == d]
+    for d, d_v in solution.HEAD_DIMS:
+        here = [c for c in CONFIGS if (c.head_dim, c.dv) == (d, d_v)]
         assert {(c.has_sink, c.write_lse) for c in here} == {(a, b) for a in (0, 1) for b in (0, 1)}
         assert {c.rotary for c in here if c.appends} == set(solution.ROTARY), f"D={d}: every RoPE variant"
         assert any(c.alibi for c in here) and any(c.rolling for c in here), f"D={d}: ALiBi and a rolling cache"
@@ -394,7 +409,7 @@ def run(stage, inputs, where, *, fp8=False, return_lse=False, **options):
     """One launch on poisoned output; with ``fp8`` the cache is quantized first. Returns (report, out)."""
     inputs, scales = quantized(inputs, "fp8" if fp8 else "16-bit")
     result = stage.decode_attention(**inputs, **options, **scales, return_lse=return_lse,
-                                    out=testing.poisoned_like(inputs["q"]))
+                                    out=testing.poisoned_decode_out(inputs["q"], inputs["v_cache"]))
     out, lse = result if return_lse else (result, None)
     features = {k: v for k, v in options.items() if k not in ("num_splits", "plan")}
     return testing.assert_decode_matches(out, inputs, where, lse=lse, **features, **scales), out
@@ -546,29 +561,35 @@ def test_windows_sinks_and_lse(stage, layout, features, heads_q, heads_kv, fp8, 
         plan=variant_plan(stage, variant, heads_q, heads_kv), **features)
 
 
-# 80, 96 and 192 as the launch picks, and (D <= 128) with the most row tiles on 8 warps.
-PADDED_DIMS = [(d, variant) for d in STAGE.load("solutions").HEAD_DIMS if d not in (64, 128, 256)
+def dims_id(head_dim: int, head_dim_v: int) -> str:
+    return f"d{head_dim}" + (f"v{head_dim_v}" if head_dim_v != head_dim else "")
+
+
+# 80, 96, 192 and (192, 128) as the launch picks, and (D <= 128) with the most row tiles on 8 warps.
+PADDED_DIMS = [(d, d_v, variant) for d, d_v in STAGE.load("solutions").HEAD_DIMS if d not in (64, 128, 256)
                for variant in (None, "tiles-warps8") if variant is None or d <= 128]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", QUANTIZED)
-@pytest.mark.parametrize("head_dim, variant", PADDED_DIMS, ids=[f"d{d}{VARIANT_IDS[v]}" for d, v in PADDED_DIMS])
-def test_head_dims_computed_padded(stage, head_dim, variant, cache):
-    """80, 96 and 192, which the kernel computes as 128 and 256 with zero columns (COMPUTED_HEAD_DIM): the
-    cache's rows end at D (the next head's columns, or the end of the pool, follow), O and the LSE are
-    the real head dim's, with every mask feature and split counts of one and two levels."""
+@pytest.mark.parametrize("head_dim, head_dim_v, variant", PADDED_DIMS,
+                         ids=[dims_id(d, d_v) + VARIANT_IDS[v] for d, d_v, v in PADDED_DIMS])
+def test_head_dims_computed_padded(stage, head_dim, head_dim_v, variant, cache):
+    """80, 96, 192 and (192, 128), which the kernel computes as 128 and 256 with zero columns
+    (COMPUTED_HEAD_DIM): the cache's rows end at D, V's at D_v (the next head's columns, or the end of
+    the pool, follow), O and the LSE are the real head dims', with every mask feature and split counts
+    of one and two levels."""
     lengths = [0, 1, 127, 4097, 32768]
     dtype = torch.bfloat16 if head_dim == 96 else torch.float16
     for i, (layout, features) in enumerate(FEATURE_CASES.values()):
         inputs = testing.random_decode_inputs(lengths, 48, 2, head_dim, dtype, page_size=LAYOUTS[layout],
-                                              seed=head_dim + i)
+                                              head_dim_v=head_dim_v, seed=head_dim + i)
         inputs, scales = quantized(inputs, cache)
         features = dict(features)
         if features.pop("sink_logits", False):
             features["sink_logits"] = torch.randn(48, device="cuda") * 3
         for num_splits in (1, 37):
-            run(stage, inputs, f"D={head_dim}, {cache} cache, {layout}, {features}, {variant}, splits {num_splits}",
+            run(stage, inputs, f"{dims_id(head_dim, head_dim_v)}, {cache} cache, {layout}, {features}, {variant}, splits {num_splits}",
                 return_lse=True, num_splits=num_splits, plan=variant_plan(stage, variant, 48, 2, head_dim),
                 **scales, **features)
 
@@ -627,7 +648,8 @@ def append_step(stage, inputs, features, where, **options):
     the caches against the reference's append bit for bit (the new rows, and every other row unchanged),
     cache_seqlens unchanged."""
     before = {name: inputs[name].clone() for name in ("k_cache", "v_cache", "cache_seqlens")}
-    out = stage.decode_attention(**inputs, **features, **options, out=testing.poisoned_like(inputs["q"]))
+    out = stage.decode_attention(**inputs, **features, **options,
+                                 out=testing.poisoned_decode_out(inputs["q"], inputs["v_cache"]))
     expected = testing.reference.append_to_cache(before["k_cache"], before["v_cache"], before["cache_seqlens"],
                                                  block_table=inputs.get("block_table"),
                                                  **testing.reference.append_options(features))
@@ -642,7 +664,7 @@ def append_step(stage, inputs, features, where, **options):
     return out
 
 
-APPEND_CASES = [  # (dtype, D, layout, cache, rotary: (rotary_dim or 0, interleaved), H_q, H_kv)
+APPEND_CASES = [  # (dtype, D or (D, D_v), layout, cache, rotary: (rotary_dim or 0, interleaved), H_q, H_kv)
     ("float16", 128, "contiguous", "16-bit", (128, False), 32, 8),
     ("bfloat16", 128, "paged16", "16-bit", (128, True), 8, 1),
     ("float16", 64, "paged64", "fp8", (64, False), 64, 8),
@@ -658,24 +680,34 @@ APPEND_CASES = [  # (dtype, D, layout, cache, rotary: (rotary_dim or 0, interlea
     ("bfloat16", 96, "paged16", "fp8", (96, False), 32, 8),
     ("float16", 80, "contiguous", "int8", (64, True), 16, 2),
     ("bfloat16", 192, "paged64", "16-bit", (192, False), 16, 2),
+    # (192, 128): k_new's 192 columns and v_new's 128, each into its own cache (MLA expanded)
+    ("float16", (192, 128), "paged16", "fp8", (64, False), 16, 2),
+    ("bfloat16", (192, 128), "contiguous", "16-bit", (64, True), 8, 8),
+    ("float16", (192, 128), "paged64", "int8", (0, False), 32, 2),
 ]
+
+
+def pair(dims) -> tuple[int, int]:
+    """(D, D_v) of a case's head dim column: an int D, or a pair."""
+    return (dims, dims) if isinstance(dims, int) else dims
 
 
 # Each case as the launch picks its plan, and (D <= 128) with the most row tiles on 8 warps.
 APPEND_VARIANTS = [(*case, variant) for case in APPEND_CASES for variant in (None, "tiles-warps8")
-                   if variant is None or case[1] <= 128]
+                   if variant is None or pair(case[1])[0] <= 128]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, head_dim, layout, cache, rotary, heads_q, heads_kv, variant", APPEND_VARIANTS,
-                         ids=[f"{a}-d{b}-{c}-{d}-rope{e[0]}{'i' if e[1] else ''}-h{f}-kv{g}{VARIANT_IDS[v]}"
-                              for a, b, c, d, e, f, g, v in APPEND_VARIANTS])
+                         ids=[f"{a}-{dims_id(*pair(b))}-{c}-{d}-rope{e[0]}{'i' if e[1] else ''}-h{f}-kv{g}"
+                              f"{VARIANT_IDS[v]}" for a, b, c, d, e, f, g, v in APPEND_VARIANTS])
 def test_fused_append_and_rope(stage, dtype, head_dim, layout, cache, rotary, heads_q, heads_kv, variant):
     """The new token appended (and rotated) in the launch: lengths 0 (the new token alone), page
     boundaries on both sides, long sequences split many ways."""
     lengths = [0, 1, 15, 16, 63, 64, 4096, 20000]
+    head_dim, head_dim_v = pair(head_dim)
     inputs = testing.append_decode_inputs(lengths, heads_q, heads_kv, head_dim, getattr(torch, dtype),
-                                          page_size=LAYOUTS[layout], seed=head_dim + heads_q)
+                                          page_size=LAYOUTS[layout], head_dim_v=head_dim_v, seed=head_dim + heads_q)
     inputs, features = quantized(inputs, cache)
     features.update(k_new=inputs.pop("k_new"), v_new=inputs.pop("v_new"))
     rotary_dim, interleaved = rotary
@@ -684,7 +716,7 @@ def test_fused_append_and_rope(stage, dtype, head_dim, layout, cache, rotary, he
         features.update(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
     for num_splits in (1, 5, 0):
         step = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-        append_step(stage, {**inputs, **step}, features, f"{dtype} D={head_dim} {layout} {cache} rope {rotary} "
+        append_step(stage, {**inputs, **step}, features, f"{dtype} {dims_id(head_dim, head_dim_v)} {layout} {cache} rope {rotary} "
                     f"H_q={heads_q} H_kv={heads_kv} {variant} num_splits={num_splits}", num_splits=num_splits,
                     plan=variant_plan(stage, variant, heads_q, heads_kv, head_dim), return_lse=False)
 
@@ -950,7 +982,7 @@ def test_draft_tokens_are_causal_attention_over_the_cache():
 
 
 DRAFT_LENGTHS = [1, 3, 4, 5, 127, 128, 129, 4097, 20000]  # below, at and past n = 4; page and tile edges
-DRAFT_CASES = {  # name: (n, H_q, H_kv, D, dtype, layout, cache, features)
+DRAFT_CASES = {  # name: (n, H_q, H_kv, D or (D, D_v), dtype, layout, cache, features)
     "4-gqa4-d128-paged64": (4, 32, 8, 128, "bfloat16", "paged64", "16-bit", {}),
     "2-gqa8-d128-window-sinks": (2, 64, 8, 128, "float16", "contiguous", "fp8",
                                  {"window_size_left": 100, "num_sink_tokens": 4, "sink_logits": True}),
@@ -959,6 +991,7 @@ DRAFT_CASES = {  # name: (n, H_q, H_kv, D, dtype, layout, cache, features)
     "5-gqa4-d128-paged32-leftpad-window": (5, 16, 4, 128, "float16", "paged32", "16-bit",
                                            {"leftpad": True, "window_size_left": 33, "num_sink_tokens": 1}),
     "2-gqa4-d96-paged64": (2, 16, 4, 96, "bfloat16", "paged64", "16-bit", {}),
+    "4-mha-d192v128-paged16-window": (4, 8, 8, (192, 128), "bfloat16", "paged16", "fp8", {"window_size_left": 40}),
 }
 
 
@@ -970,8 +1003,9 @@ def test_draft_tokens(stage, n, heads_q, heads_kv, head_dim, dtype, layout, cach
     """q [B, n, H_q, D]: n query tokens per sequence, the last n positions of its keys, each seeing the keys
     up to its own (n x G rows per KV head); lengths below n (rows with no key), split several ways, with
     the LSE [B, H_q, n]; q [B, 1, H_q, D] gives [B, H_q, D]'s bits."""
+    head_dim, head_dim_v = pair(head_dim)
     inputs = testing.random_decode_inputs(DRAFT_LENGTHS, heads_q, heads_kv, head_dim, getattr(torch, dtype),
-                                          page_size=LAYOUTS[layout], seed=n + heads_q)
+                                          page_size=LAYOUTS[layout], head_dim_v=head_dim_v, seed=n + heads_q)
     inputs, scales = quantized(inputs, cache)
     gen = torch.Generator(device="cuda").manual_seed(n)
     q = torch.randn(len(DRAFT_LENGTHS), n, heads_q, head_dim, generator=gen, device="cuda").to(inputs["q"].dtype)
@@ -981,10 +1015,10 @@ def test_draft_tokens(stage, n, heads_q, heads_kv, head_dim, dtype, layout, cach
         options["cache_leftpad"] = torch.tensor(padding, dtype=torch.int32, device="cuda")
         poison_padding(inputs, padding)
     plan = variant_plan(stage, variant, n * heads_q, heads_kv, head_dim)
-    where = f"{n} draft tokens H_q={heads_q} H_kv={heads_kv} D={head_dim} {layout} {cache} {features} {variant}"
+    where = f"{n} draft tokens H_q={heads_q} H_kv={heads_kv} {dims_id(head_dim, head_dim_v)} {layout} {cache} {features} {variant}"
     for num_splits in (1, 5, 0):
         out, lse = stage.decode_attention(**{**inputs, "q": q}, **options, num_splits=num_splits, return_lse=True,
-                                          plan=plan, out=testing.poisoned_like(q))
+                                          plan=plan, out=testing.poisoned_decode_out(q, inputs["v_cache"]))
         assert lse.shape == (len(DRAFT_LENGTHS), heads_q, n), f"{where}: LSE has shape {tuple(lse.shape)}"
         testing.assert_decode_matches(out, {**inputs, "q": q}, f"{where} num_splits={num_splits}", lse=lse,
                                       **options)

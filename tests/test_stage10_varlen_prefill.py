@@ -205,7 +205,8 @@ DRAFT_ROUTES = {  # name: (shape, max_seqlen_q, causal, window_size, stage 9 tak
     "packed-keys": (varlen_shape(page_size=0), 4, True, (-1, -1), False),
     "page-48": (varlen_shape(page_size=48), 4, True, (-1, -1), False),
     "head-dim-96": (varlen_shape(head_dim=96), 4, True, (-1, -1), True),
-    "head-dims-192-128": (varlen_shape(head_dim=192, head_dim_v=128), 4, True, (-1, -1), False),
+    "head-dims-192-128": (varlen_shape(head_dim=192, head_dim_v=128), 4, True, (-1, -1), True),
+    "head-dims-128-64": (varlen_shape(head_dim=128, head_dim_v=64), 4, True, (-1, -1), False),
 }
 
 
@@ -224,17 +225,22 @@ DRAFT_FEATURES = {
 }
 
 
+DRAFT_SHAPES = {"4x4": (4, 32, 8, 128, 128), "1x8": (1, 16, 2, 128, 128), "8x8": (8, 64, 8, 128, 128),
+                "4x1-d192v128": (4, 8, 8, 192, 128)}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("features", list(DRAFT_FEATURES))
-@pytest.mark.parametrize("tokens, heads_q, heads_kv", [(4, 32, 8), (1, 16, 2), (8, 64, 8)], ids=["4x4", "1x8", "8x8"])
-def test_draft_tokens_through_stage_9(stage, tokens, heads_q, heads_kv, features):
+@pytest.mark.parametrize("tokens, heads_q, heads_kv, head_dim, head_dim_v", DRAFT_SHAPES.values(),
+                         ids=DRAFT_SHAPES.keys())
+def test_draft_tokens_through_stage_9(stage, tokens, heads_q, heads_kv, head_dim, head_dim_v, features):
     """Equal query counts against a paged cache (stage 9's decode kernel computes them): lengths below, at and past
     the token count, O and the LSE [H_q, total_q] per sequence as the reference's."""
     lengths_k = [1, 3, 4, 5, 129, 4097]
-    inputs = testing.random_varlen_inputs([tokens] * len(lengths_k), lengths_k, heads_q, heads_kv, 128,
-                                          torch.bfloat16, page_size=64, seed=tokens)
-    run_varlen(stage, inputs, DRAFT_FEATURES[features], f"draft tokens {tokens}, {heads_q}/{heads_kv}, {features}",
-               heads_q=heads_q)
+    inputs = testing.random_varlen_inputs([tokens] * len(lengths_k), lengths_k, heads_q, heads_kv, head_dim,
+                                          torch.bfloat16, page_size=64, head_dim_v=head_dim_v, seed=tokens)
+    run_varlen(stage, inputs, DRAFT_FEATURES[features], f"draft tokens {tokens}, {heads_q}/{heads_kv}, "
+               f"D={head_dim}/{head_dim_v}, {features}", heads_q=heads_q)
 
 
 @pytest.mark.gpu

@@ -326,7 +326,7 @@ def draft_tokens(q, k, v) -> bool:
     prefill would cut the real keys out."""
     backing = ops.backing()
     return (1 < q.shape[1] and q.shape[1] * q.shape[2] // k.shape[2] <= varlen.DRAFT_ROWS
-            and q.shape[-1] in validation.decode_head_dims(backing.decode)
+            and (q.shape[-1], v.shape[-1]) in validation.decode_head_dims(backing.decode)
             and backing.decode >= validation.DECODE_EXTRAS_STAGE[0]
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
 
@@ -444,6 +444,18 @@ def llama_config(num_layers: int = 4, hidden_size: int = 512, vocab_size: int = 
     settings = dict(num_hidden_layers=num_layers, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                     vocab_size=vocab_size, num_attention_heads=64, num_key_value_heads=8, head_dim=64)
     return transformers.LlamaConfig(**{**settings, **overrides})
+
+
+def deepseek_v3_config(num_layers: int = 4, hidden_size: int = 512, vocab_size: int = 2048, **overrides):
+    """DeepSeek-V3's attention (multi-head latent attention, MLA) at its head dims, the rest small: queries
+    and keys of 192 columns (128 without position, 64 rotated), values of 128, 16 heads. transformers caches
+    the latents and expands K and V from them at every step, so prefill and decode both get the (192, 128)
+    pair. Dense layers only: every layer's MLP is the same function in both precisions (no expert choice)."""
+    settings = dict(num_hidden_layers=num_layers, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                    vocab_size=vocab_size, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+                    kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    first_k_dense_replace=num_layers)
+    return transformers.DeepseekV3Config(**{**settings, **overrides})
 # --8<-- [end:configs]
 
 

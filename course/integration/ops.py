@@ -369,7 +369,7 @@ def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, block_table=None,
                            softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
                            check_lengths=None, k_scale=None, v_scale=None, alibi_slopes=None, cache_capacity=None,
                            cache_leftpad=None):
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:-1], v_cache.shape[-1]))  # O has V's head dim
 
 
 def decode_attention_append(q, k_cache, v_cache, cache_seqlens, k_new, v_new, rotary_cos=None, rotary_sin=None,
@@ -393,7 +393,7 @@ def _decode_attention_append_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_n
                                   softmax_scale=None, window_size_left=-1, num_sink_tokens=0, num_splits=0,
                                   check_lengths=None, k_scale=None, v_scale=None, alibi_slopes=None,
                                   cache_capacity=None, cache_leftpad=None):
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:-1], v_cache.shape[-1]))  # O has V's head dim
 
 
 _LIBRARY.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, "

@@ -29,15 +29,16 @@ def quantize_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch
     """(k_q, v_q, k_scale, v_scale): the caches as ``dtype`` (float8_e4m3fn or int8) and their float32
     scales [H_kv].
 
-    ``k_cache``, ``v_cache``: [B, S_max, H_kv, D] or paged [num_pages, page_size, H_kv, D],
-    fp16/bf16/fp32. The quantized cache holds K / k_scale and V / v_scale; a head that is all
+    ``k_cache``, ``v_cache``: [B, S_max, H_kv, D] or paged [num_pages, page_size, H_kv, D] (v_cache's D
+    may differ), fp16/bf16/fp32. The quantized cache holds K / k_scale and V / v_scale; a head that is all
     zeros gets scale 1 (scales must be > 0). Non-finite entries (slots no sequence owns may hold
     anything) do not set the scale; they stay non-finite in e4m3 (int8 has no NaN: they become
     0 or +-127).
     """
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must be 4-D caches of one shape ([B, S_max, H_kv, D] or "
-                         f"[num_pages, page_size, H_kv, D]); got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(f"k_cache and v_cache must be 4-D caches of one shape but for the head dim ([B, S_max, "
+                         f"H_kv, D] or [num_pages, page_size, H_kv, D]); got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
     if not (k_cache.is_floating_point() and k_cache.element_size() >= 2):
         raise TypeError(f"quantize_kv_cache takes a 16- or 32-bit float cache; got {k_cache.dtype}")
     if dtype not in QUANTIZED_DTYPES:

@@ -21,14 +21,16 @@ QUANTIZED_CACHE_DTYPES = (FP8_CACHE_DTYPE, INT8_CACHE_DTYPE)
 FP8_STAGE = (9, "tensor-core decode with an FP8 KV cache")
 # What stage 9 adds to decode besides its quantized caches: the serving step's extras.
 DECODE_EXTRAS_STAGE = (9, "tensor-core decode: fused append and RoPE, ALiBi, rolling cache, left padding, "
-                          "int8 cache, draft tokens, head dims 80, 96 and 192")
-DECODE_HEAD_DIMS = (64, 128, 256)  # what stage 7's decode takes
-# Stage 9 adds 80 and 96 (Phi-2, Phi-3) and 192 (its kernel computes them as 128 and 256, zeros past the real columns).
-DECODE_HEAD_DIMS_FROM_STAGE_9 = (64, 80, 96, 128, 192, 256)
+                          "int8 cache, draft tokens, head dims 80, 96, 192 and 192 for q and k with 128 for v")
+# Decode head dims (D_qk, D_v) as the prefill ones: what stage 7's decode takes, then stage 9's, which adds 80
+# and 96 (Phi-2, Phi-3), 192, and (192, 128) (DeepSeek-V2/V3's MLA with its K and V expanded, as transformers
+# runs it); its kernel computes them as 128 and 256, zeros past the real columns.
+DECODE_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
+DECODE_HEAD_DIMS_FROM_STAGE_9 = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
 
-def decode_head_dims(stage: int) -> tuple[int, ...]:
-    """The head dims decode takes in ``stage``."""
+def decode_head_dims(stage: int) -> tuple[tuple[int, int], ...]:
+    """The (D_qk, D_v) pairs decode takes in ``stage``."""
     return DECODE_HEAD_DIMS_FROM_STAGE_9 if stage >= DECODE_EXTRAS_STAGE[0] else DECODE_HEAD_DIMS
 
 
@@ -361,6 +363,11 @@ class DecodeInputShape:
     rotary_positions: int = 0  # rows of rotary_cos/sin: positions 0 .. rotary_positions - 1
     rolling: int = 0           # cache_capacity of a rolling cache, 0 for a linear one
     queries: int = 1           # query tokens per sequence: n of q [B, n, H_q, D] (draft tokens), else 1
+    head_dim_v: int = 0        # V's and O's head dim, 0 for head_dim (a split pair such as (192, 128))
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
 
 def _check_index_tensor(name: str, t, *, rank: int, layout: str) -> None:
@@ -422,9 +429,9 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     elif not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache, v_cache must share one dtype; got q {q.dtype}, k_cache {k_cache.dtype}, "
                         f"v_cache {v_cache.dtype}")
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
         raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} but v_cache has {tuple(v_cache.shape)}; "
-                         "they must match")
+                         "they must match but for the head dim")
     if max_token_stride is not None:
         _check_token_stride(k_cache, v_cache, max_token_stride, stage)
     _check_not_empty("q", q, ("batch", "tokens", "H_q", "head_dim") if q.dim() == 4 else ("batch", "H_q", "head_dim"))
@@ -432,14 +439,16 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     _check_not_empty("k_cache", k_cache, (*slot_dims, "H_kv", "head_dim"))
     b, h_q, d = q.shape[0], q.shape[-2], q.shape[-1]
     rows, slots, h_kv, d_k = k_cache.shape
+    d_v = v_cache.shape[-1]
     if d_k != d:
-        raise ValueError(f"q has head_dim {d} but k_cache/v_cache have head_dim {d_k}")
-    if d not in head_dims:
-        if d in DECODE_HEAD_DIMS_FROM_STAGE_9 and stage < DECODE_EXTRAS_STAGE[0]:
-            raise NotImplementedError(f"head_dim {d} is not implemented in stage {stage}'s decode (it takes "
-                                      f"{', '.join(map(str, head_dims))}); stage {DECODE_EXTRAS_STAGE[0]} "
+        raise ValueError(f"q has head_dim {d} but k_cache has head_dim {d_k}; they must match")
+    if (d, d_v) not in head_dims:
+        if (d, d_v) in DECODE_HEAD_DIMS_FROM_STAGE_9 and stage < DECODE_EXTRAS_STAGE[0]:
+            raise NotImplementedError(f"{describe_dims(d, d_v)} is not implemented in stage {stage}'s decode (it "
+                                      f"takes {describe_head_dims(head_dims)}); stage {DECODE_EXTRAS_STAGE[0]} "
                                       f"({DECODE_EXTRAS_STAGE[1]}) adds it")
-        raise ValueError(f"head_dim {d} is not supported; supported: {', '.join(map(str, head_dims))}")
+        raise ValueError(f"{describe_dims(d, d_v)} is not supported; supported: "
+                         f"{describe_head_dims(head_dims)}")
     if h_q % h_kv:
         raise ValueError(f"q has {h_q} heads and the cache has {h_kv}: H_q must be a multiple of H_kv (GQA/MQA)")
     _check_index_tensor("cache_seqlens", cache_seqlens, rank=1, layout="[batch] int32")
@@ -472,10 +481,11 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
     check_per_head("sink_logits", sink_logits, h_q, SINK_LOGITS_MEANING)
     _check_kv_scales(k_scale, v_scale, quantized=quantized, cache_dtype=k_cache.dtype, heads_kv=h_kv)
     if out is not None:
-        _check_out(out, q, "q", layout="q's: [batch, heads_q, head_dim] or [batch, tokens, heads_q, head_dim]")
+        _check_out(out, q, "q with v's head_dim", shape=(*q.shape[:-1], d_v),
+                   layout="[batch, heads_q, head_dim_v] or [batch, tokens, heads_q, head_dim_v]")
     check_per_head("alibi_slopes", alibi_slopes, h_q, ALIBI_MEANING)
     rotary_dim, rotary_positions = _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved,
-                                                 heads_kv=h_kv)
+                                                 heads_kv=h_kv, head_dim_v=d_v)
     if k_new is not None and queries > 1:
         raise ValueError(f"k_new and v_new append one token per sequence, but q has {queries} (shape "
                          f"{tuple(q.shape)} = [batch, tokens, heads_q, head_dim]): write draft tokens' K and V into "
@@ -489,7 +499,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
             raise ValueError("cache_leftpad (left-padded sequences) and cache_capacity (a rolling cache) do not go "
                              "together: a rolling cache's rows follow token positions from 0; pass one of them")
     return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages, k_new is not None, rotary_dim,
-                            rotary_positions, rolling, queries)
+                            rotary_positions, rolling, queries, d_v if d_v != d else 0)
 
 
 def _check_decode_q(q, stage: int) -> int:
@@ -515,8 +525,10 @@ def _check_decode_q(q, stage: int) -> int:
 ROTARY_DIM_MULTIPLE = 16  # the kernel rotates q and k_new 8 columns at a time, each half of rotary_dim whole
 
 
-def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *, heads_kv: int) -> tuple[int, int]:
-    """The fused append's arguments: k_new and v_new [B, H_kv, D] in q's dtype, both or neither; rotary_cos and
+def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *, heads_kv: int,
+                  head_dim_v: int) -> tuple[int, int]:
+    """The fused append's arguments: k_new [B, H_kv, D] and v_new [B, H_kv, D_v] in q's dtype, both or neither;
+    rotary_cos and
     rotary_sin [positions, rotary_dim / 2] in q's dtype, both or neither, only with k_new. Returns
     (rotary_dim, positions), (0, 0) without RoPE."""
     import torch
@@ -535,10 +547,10 @@ def _check_append(q, k_new, v_new, rotary_cos, rotary_sin, rotary_interleaved, *
                              "(rotate q yourself when the cache is already written)")
         return 0, 0
     b, d = q.shape[0], q.shape[-1]
-    layout = f"[batch, heads_kv, head_dim] = [{b}, {heads_kv}, {d}], q's dtype"
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
+    for name, t, width in (("k_new", k_new, d), ("v_new", v_new, head_dim_v)):
+        layout = f"[batch, heads_kv, head_dim] = [{b}, {heads_kv}, {width}], q's dtype"
         _check_tensor(name, t, rank=3, layout=layout)
-        if t.dtype != q.dtype or tuple(t.shape) != (b, heads_kv, d):
+        if t.dtype != q.dtype or tuple(t.shape) != (b, heads_kv, width):
             raise ValueError(f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}; expected {layout} ({q.dtype})")
     if rotary_cos is None:
         return 0, 0

@@ -201,7 +201,7 @@ def takes_draft_tokens(decode, shape: validation.VarlenShape, max_seqlen_q: int,
     _, right = validation.resolve_window(causal, window_size)
     return (shape.page_size in decode.PAGE_SIZES and max_seqlen_q >= 1 and shape.total_q == shape.batch * max_seqlen_q
             and (right == 0 or max_seqlen_q == 1) and max_seqlen_q * shape.heads_q // shape.heads_kv <= DRAFT_ROWS
-            and shape.head_dim == shape.head_dim_v and shape.head_dim in decode.HEAD_DIMS)
+            and (shape.head_dim, shape.head_dim_v) in decode.HEAD_DIMS)
 
 
 def _plan_draft_tokens(decode, shape: validation.VarlenShape, tokens: int, *, causal, window_size, softmax_scale,
@@ -209,13 +209,14 @@ def _plan_draft_tokens(decode, shape: validation.VarlenShape, tokens: int, *, ca
     """The call as ``decode.decode_attention`` on q [B, tokens, H_q, D] (packed rows, seen so), the cache
     lengths ``seqused_k``; O written in place, the LSE [B, H_q, tokens] returned as [H_q, total_q]."""
     left, _ = validation.resolve_window(causal, window_size)
-    as_tokens = (shape.batch, tokens, shape.heads_q, shape.head_dim)
+    as_tokens = (shape.batch, tokens, shape.heads_q)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sink_logits, out, alibi_slopes=None):
-        result = out if out is not None else q.new_empty(q.shape)
-        o = decode.decode_attention(q.view(as_tokens), k, v, seqused_k, block_table=block_table,
+        result = out if out is not None else q.new_empty((*q.shape[:-1], shape.head_dim_v))
+        o = decode.decode_attention(q.view(*as_tokens, shape.head_dim), k, v, seqused_k, block_table=block_table,
                                     softmax_scale=softmax_scale, window_size_left=left, sink_logits=sink_logits,
-                                    num_sink_tokens=num_sink_tokens, return_lse=return_lse, out=result.view(as_tokens),
+                                    num_sink_tokens=num_sink_tokens, return_lse=return_lse,
+                                    out=result.view(*as_tokens, shape.head_dim_v),
                                     alibi_slopes=alibi_slopes, check_lengths=False)
         if not return_lse:
             return result

@@ -66,6 +66,11 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
 
+def poisoned_decode_out(q: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """A decode call's output buffer full of NaN: q's shape with V's head dim."""
+    return torch.full((*q.shape[:-1], v_cache.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+
+
 def torch_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     sink_logits=None, num_sink_tokens=0, alibi_slopes=None):
     """PyTorch's SDPA in the inputs' precision, with the same semantics as the contract.
@@ -175,7 +180,7 @@ DECODE_LENGTHS = (1, 2, 127, 128, 4097, 32768, 131072)
 
 
 def random_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_size=None, capacity=None,
-                         device="cuda", seed=0) -> dict:
+                         head_dim_v=None, device="cuda", seed=0) -> dict:
     """Fresh N(0, 1) inputs of ``decode_attention``: q and a KV cache holding ``lengths[b]`` tokens of sequence b.
 
     Returns a dict with q, k_cache, v_cache, cache_seqlens and block_table, to
@@ -187,11 +192,12 @@ def random_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_si
     capacity max(lengths) + 5 by default, block_table None. Paged: the pages
     of all sequences are shuffled in one pool [num_pages, page_size, H_kv, D]
     with two spare pages; block_table [B, max_pages] int32 holds -1 past a
-    sequence's last page.
+    sequence's last page. ``head_dim_v``: v_cache's head dim (default: D).
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     lengths = [int(n) for n in lengths]
     batch = len(lengths)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
@@ -201,7 +207,7 @@ def random_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_si
     if page_size is None:
         capacity = capacity if capacity is not None else max(lengths) + 5
         k_cache = randn(batch, capacity, heads_kv, head_dim)
-        v_cache = randn(batch, capacity, heads_kv, head_dim)
+        v_cache = randn(batch, capacity, heads_kv, head_dim_v)
         for b, n in enumerate(lengths):
             k_cache[b, n:] = float("nan")
             v_cache[b, n:] = float("nan")
@@ -212,8 +218,8 @@ def random_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_si
         max_pages = max(max_pages, -(-capacity // page_size))
     num_pages = sum(pages_per_seq) + 2
     order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
-    k_cache = torch.full((num_pages, page_size, heads_kv, head_dim), float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full_like(k_cache, float("nan"))
+    k_cache, v_cache = (torch.full((num_pages, page_size, heads_kv, d), float("nan"), dtype=dtype, device=device)
+                        for d in (head_dim, head_dim_v))
     table = torch.full((batch, max_pages), -1, dtype=torch.int32)
     for b, (n, pages) in enumerate(zip(lengths, pages_per_seq)):
         if not pages:
@@ -221,9 +227,9 @@ def random_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_si
         own = torch.tensor([order.pop() for _ in range(pages)])
         table[b, :pages] = own
         for cache in (k_cache, v_cache):
-            rows = randn(pages * page_size, heads_kv, head_dim)
+            rows = randn(pages * page_size, heads_kv, cache.shape[-1])
             rows[n:] = float("nan")  # the tail of the last page belongs to nobody
-            cache[own.to(device)] = rows.view(pages, page_size, heads_kv, head_dim)
+            cache[own.to(device)] = rows.view(pages, page_size, heads_kv, cache.shape[-1])
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens, block_table=table.to(device))
 
 
@@ -239,13 +245,14 @@ def alibi_slopes(heads: int, device="cuda") -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32, device=device)
 
 
-def append_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_size=None, device="cuda",
-                         seed=0) -> dict:
+def append_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_size=None, head_dim_v=None,
+                         device="cuda", seed=0) -> dict:
     """``random_decode_inputs`` with room for one more token per sequence (the row at position
-    lengths[b] is NaN, and in the cache's pages) and that token's ``k_new``, ``v_new`` [B, H_kv, D]."""
+    lengths[b] is NaN, and in the cache's pages) and that token's ``k_new`` [B, H_kv, D], ``v_new``
+    [B, H_kv, D_v]."""
     lengths = [int(n) for n in lengths]
     inputs = random_decode_inputs([n + 1 for n in lengths], heads_q, heads_kv, head_dim, dtype,
-                                  page_size=page_size, device=device, seed=seed)
+                                  page_size=page_size, head_dim_v=head_dim_v, device=device, seed=seed)
     for b, n in enumerate(lengths):
         for cache in (inputs["k_cache"], inputs["v_cache"]):
             if page_size is None:
@@ -254,7 +261,8 @@ def append_decode_inputs(lengths, heads_q, heads_kv, head_dim, dtype, *, page_si
                 cache[int(inputs["block_table"][b, n // page_size]), n % page_size] = float("nan")
     inputs["cache_seqlens"] = torch.tensor(lengths, dtype=torch.int32, device=device)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    new = [torch.randn(len(lengths), heads_kv, head_dim, generator=gen, device=device).to(dtype) for _ in range(2)]
+    new = [torch.randn(len(lengths), heads_kv, cache.shape[-1], generator=gen, device=device).to(dtype)
+           for cache in (inputs["k_cache"], inputs["v_cache"])]
     return {**inputs, "k_new": new[0], "v_new": new[1]}
 
 
@@ -297,7 +305,7 @@ def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=No
             for i in range(n)], dim=1)
 
     h_q, h_kv = q.shape[1], k_cache.shape[2]
-    out = torch.zeros_like(q)
+    out = q.new_zeros((*q.shape[:-1], v_cache.shape[-1]))
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     visible = reference.decode_positions(cache_seqlens, window_size_left=window_size_left,
                                          num_sink_tokens=num_sink_tokens, cache_leftpad=cache_leftpad, device=q.device)
@@ -310,8 +318,8 @@ def torch_decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=No
             bias = bias - alibi_slopes.float().view(1, h_q, 1, 1) * (seqlen - 1 - positions).float()
         bias = bias.to(q.dtype)
         if sink_logits is not None:
-            zeros = kh.new_zeros(1, h_kv, 1, kh.shape[3])
-            kh, vh = torch.cat([kh, zeros], dim=2), torch.cat([vh, zeros], dim=2)
+            kh = torch.cat([kh, kh.new_zeros(1, h_kv, 1, kh.shape[3])], dim=2)
+            vh = torch.cat([vh, vh.new_zeros(1, h_kv, 1, vh.shape[3])], dim=2)
             bias = torch.cat([bias, sink_logits.to(q.dtype).view(1, h_q, 1, 1)], dim=-1)
         if kh.shape[2] == 0:
             continue  # no key and no sink: O = 0

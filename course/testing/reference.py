@@ -269,12 +269,12 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
                      k_scale=None, v_scale=None, k_new=None, v_new=None, rotary_cos=None, rotary_sin=None,
                      rotary_interleaved=False, alibi_slopes=None, cache_capacity=None, cache_leftpad=None,
                      dtype=torch.float64):
-    """O [B, H_q, D] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``;
+    """O [B, H_q, D_v] (and LSE [B, H_q] float32) of one query token per sequence, computed in ``dtype``;
     of q [B, n, H_q, D], n draft tokens per sequence, O [B, n, H_q, D] and LSE [B, H_q, n]: token i is at
     position cache_seqlens[b] - n + i and sees the keys a one-token decode of the cache cut after it sees.
 
     q [B, H_q, D]; k_cache, v_cache [B, S_max, H_kv, D] or paged [num_pages,
-    page_size, H_kv, D] with block_table [B, max_pages]; cache_seqlens [B].
+    page_size, H_kv, D] with block_table [B, max_pages] (v_cache's D is D_v); cache_seqlens [B].
     A quantized cache (FP8 or int8) comes with ``k_scale``, ``v_scale`` ([H_kv]
     or scalars): it holds K / k_scale and V / v_scale, dequantized here in ``dtype``.
     With ``k_new``, ``v_new`` [B, H_kv, D] the new token is appended first
@@ -309,12 +309,12 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
             q = rotary(q, rotary_cos, rotary_sin, new_token_positions(cache_seqlens, cache_leftpad), rotary_interleaved)
         cache_seqlens = cache_seqlens + 1
     b, h_q, d = q.shape
-    h_kv = k_cache.shape[2]
+    h_kv, d_v = k_cache.shape[2], v_cache.shape[-1]
     k_factor, v_factor = (torch.ones(1, 1, 1, dtype=dtype, device=q.device) if s is None
                           else s.to(device=q.device, dtype=dtype).reshape(1, -1, 1) for s in (k_scale, v_scale))
     group = h_q // h_kv
     scale = validation.resolve_scale(softmax_scale, d)
-    o = torch.zeros(b, h_q, d, dtype=dtype, device=q.device)
+    o = torch.zeros(b, h_q, d_v, dtype=dtype, device=q.device)
     lse = torch.full((b, h_q), -math.inf, dtype=torch.float32, device=q.device)
     lengths = [int(n) for n in cache_seqlens.tolist()]
     visible = decode_positions(cache_seqlens, window_size_left=window_size_left, num_sink_tokens=num_sink_tokens,
@@ -339,7 +339,7 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, block_table=None, so
         denom = p.sum(dim=-1, keepdim=True)
         if sink_logits is not None:
             denom = denom + torch.exp(sink - row_max)
-        pv = torch.einsum("hgj,jhd->hgd", p.view(h_kv, group, n), v).reshape(h_q, d)
+        pv = torch.einsum("hgj,jhd->hgd", p.view(h_kv, group, n), v).reshape(h_q, d_v)
         o[bi] = pv / torch.where(denom > 0, denom, torch.ones_like(denom))
         lse[bi] = (torch.log(denom) + row_max).squeeze(-1).float()
     return (o, lse) if return_lse else o

@@ -141,7 +141,7 @@ def launch_stage(number: int) -> None:
             cos, sin = testing.rotary_tables(400, 64, torch.bfloat16)
             module.decode_attention(**kv_cache.quantized_decode_inputs(inputs, torch.int8), **new, rotary_cos=cos,
                                     rotary_sin=sin, rotary_interleaved=True, num_splits=4, return_lse=True)
-            # Head dims computed padded (96 as 128, 192 as 256): copies that write zeros, staged rows' zeros.
+            # Head dims computed padded (96 as 128, 192 and (192, 128) as 256): copies that write zeros.
             inputs = testing.append_decode_inputs([0, 300, 31], 16, 4, 96, torch.bfloat16, page_size=16, seed=8)
             new = {name: inputs.pop(name) for name in ("k_new", "v_new")}
             cos, sin = testing.rotary_tables(400, 96, torch.bfloat16)
@@ -149,6 +149,11 @@ def launch_stage(number: int) -> None:
                                     rotary_cos=cos, rotary_sin=sin, num_splits=4, return_lse=True)
             inputs = testing.random_decode_inputs([300, 17], 16, 2, 192, torch.float16, page_size=32, seed=9)
             module.decode_attention(**inputs, num_splits=2, return_lse=True)
+            inputs = testing.append_decode_inputs([0, 300, 31], 8, 8, 192, torch.bfloat16, page_size=16,
+                                                  head_dim_v=128, seed=10)
+            new = {name: inputs.pop(name) for name in ("k_new", "v_new")}
+            cos, sin = testing.rotary_tables(400, 64, torch.bfloat16)
+            module.decode_attention(**inputs, **new, rotary_cos=cos, rotary_sin=sin, num_splits=3, return_lse=True)
             inputs = testing.rolling_decode_inputs([70, 500], 64, 16, 2, 128, torch.float16, seed=7)
             new = {name: torch.randn(2, 2, 128, device="cuda", dtype=torch.float16) for name in ("k_new", "v_new")}
             module.decode_attention(**inputs, **new, cache_capacity=64, window_size_left=50, num_sink_tokens=4,

@@ -17,8 +17,8 @@ median of the rounds. bf16 queries, D = 128, a contiguous cache.
 - ALiBi: the same call with and without slopes.
 - A rolling cache: window 4096 (+ 4 sink tokens) read from a ring of 4100 rows after 100k tokens,
   next to a contiguous cache holding the same 4100 tokens.
-- Head dims: stage 9 at every head dim it takes (80, 96 and 192 computed as 128 and 256, with zero
-  columns), GB/s of K and V read.
+- Head dims: stage 9 at every head dim it takes (80, 96, 192 and (192, 128) computed as 128 and 256,
+  with zero columns), GB/s of K and V read.
 - ALiBi in prefill: stage 10 on a packed batch of equal-length prompts with and without slopes,
   causal and not (eager calls, ``bench.time_in_rounds``).
 
@@ -167,12 +167,14 @@ def bench_head_dims(stage) -> list[dict]:
 
     rows = []
     for batch, length, heads_q, heads_kv in HEAD_DIM_SHAPES:
-        calls = {}
-        for d in stage.HEAD_DIMS:
-            inputs = testing.random_decode_inputs([length] * batch, heads_q, heads_kv, d, torch.bfloat16, seed=d)
-            calls[d] = functools.partial(stage.decode_attention, **inputs)
+        calls, kv_bytes = {}, {}
+        for d, d_v in stage.HEAD_DIMS:
+            label = f"{d}" if d == d_v else f"{d}/{d_v}"
+            inputs = testing.random_decode_inputs([length] * batch, heads_q, heads_kv, d, torch.bfloat16,
+                                                  head_dim_v=d_v, seed=d + d_v)
+            calls[label] = functools.partial(stage.decode_attention, **inputs)
+            kv_bytes[label] = batch * length * heads_kv * (d + d_v) * 2
         times = time_graphed(calls)
-        kv_bytes = {d: 2 * batch * length * heads_kv * d * 2 for d in calls}
         rows.append({"batch": batch, "length": length, "heads_q": heads_q, "heads_kv": heads_kv,
                      **{f"D{d} us": ms * 1000 for d, ms in times.items()},
                      **{f"D{d} GB/s": kv_bytes[d] / ms / 1e6 for d, ms in times.items()}})
@@ -232,9 +234,9 @@ def render(results: dict) -> str:
         lines.append(f"| {r['batch']} | {base:.1f} | {r['rolling']:.1f} | {r['rolling'] / base:.3f} | "
                      f"{r['contiguous + ALiBi']:.1f} | {r['contiguous + ALiBi'] / base:.3f} |")
     if results.get("head dims"):
-        dims = [int(key[1:-3]) for key in results["head dims"][0] if key.endswith(" us")]
+        dims = [key[1:-3] for key in results["head dims"][0] if key.endswith(" us")]
         lines += ["", "**Head dims** (microseconds per call, and GB/s of K and V read; 80 and 96 are computed as 128, "
-                  "192 as 256, with zero columns):", "",
+                  "192 as 256, with zero columns; 192/128 is 192 for q and k with 128 for v):", "",
                   "| B | L | H_q/H_kv | " + " | ".join(f"D = {d}" for d in dims) + " |",
                   "|---:|---:|---:|" + "---:|" * len(dims)]
         for r in results["head dims"]:
