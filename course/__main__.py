@@ -104,8 +104,8 @@ def parser() -> argparse.ArgumentParser:
                             "into parts (each merges its rows into OUT/bench.json; runs in other folders: "
                             "`python -m course.tools.results --merge`)")
     bench.add_argument("--head-dims", type=head_dim_pairs, default=None, metavar="D[/D_V],...",
-                       help="prefill: only the shapes of these head dims, e.g. 192,192/128,256, and no ablation, "
-                            "ragged or backward rows (each run merges its rows into OUT/bench.json)")
+                       help="only the prefill and backward shapes of these head dims, e.g. 192,192/128,256, and no "
+                            "ablation, ragged or decode rows (each run merges its rows into OUT/bench.json)")
     bench.add_argument("--replot", action="store_true",
                        help="time nothing: redraw the plots from OUT/bench.json (after a merge; no GPU needed)")
 

@@ -71,6 +71,12 @@ TILE_M = 64    # query rows per step: the N of S^T = K Q^T, the M of dQ = dS K
 TILE_N = 128   # keys per CTA: 64 per MMA warpgroup
 Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
 MMA_WGS = 2
+# --8<-- [start:swizzle_span]
+# The columns whose widest swizzle atom lays out K, V and the float32 dQ in shared memory. dQ = dS K gives
+# each warpgroup half of head_dim, reading K M/N-major: at D = 96 a 32-column atom (the widest for 96) would
+# straddle the half at 48, so the atoms are chosen for 48 columns (16 wide); at 80, for 40 (8 wide, no swizzle).
+SWIZZLE_SPAN = {64: 64, 80: 40, 96: 48, 128: 128}
+# --8<-- [end:swizzle_span]
 
 
 class Barrier(IntEnum):
@@ -272,16 +278,25 @@ def probabilities_and_score_gradients(acc_St: cute.Tensor, acc_dPt: cute.Tensor,
 # --8<-- [end:gradients]
 
 
+def row_threads(head_dim: int, vec: int = 8) -> int:
+    """Threads per row of the row passes: the most, a power of two (a shuffle adds them up), that share
+    the row's 16-byte pieces evenly: 8 at D = 64, 16 at 128, 4 at 96, 2 at 80."""
+    pieces = head_dim // vec
+    return pieces & -pieces
+
+
 # --8<-- [start:preprocess]
 class Preprocess:
     """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32, the LSE in log2 units
     with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf) = 0
-    there), and the float32 dQ sum zeroed. One thread per 8 values (16 bytes) of a row."""
+    there), and the float32 dQ sum zeroed. A row's threads (``row_threads``) take its 8-value (16-byte)
+    pieces in turn."""
 
     vec = 8
 
     def __init__(self, head_dim: int):
-        self.threads_per_row = head_dim // self.vec
+        self.threads_per_row = row_threads(head_dim, self.vec)
+        self.pieces_per_thread = head_dim // self.vec // self.threads_per_row
         self.rows_per_cta = 128 // self.threads_per_row
 
     @cute.jit
@@ -300,12 +315,14 @@ class Preprocess:
         partial = cutlass.Float32(0.0)
         lse2 = cutlass.Float32.inf
         if row < mdO.shape[1]:
-            do = cute.local_tile(mdO[batch, row, head, None], (self.vec,), (chunk,)).load().to(cutlass.Float32)
-            o = cute.local_tile(mO[batch, row, head, None], (self.vec,), (chunk,)).load().to(cutlass.Float32)
-            partial = (do * o).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
             zeros = cute.make_rmem_tensor(self.vec, cutlass.Float32)
             zeros.fill(0.0)
-            cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (chunk,)))
+            for i in cutlass.range_constexpr(self.pieces_per_thread):
+                piece = chunk + i * self.threads_per_row
+                do = cute.local_tile(mdO[batch, row, head, None], (self.vec,), (piece,)).load().to(cutlass.Float32)
+                o = cute.local_tile(mO[batch, row, head, None], (self.vec,), (piece,)).load().to(cutlass.Float32)
+                partial += (do * o).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+                cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (piece,)))
             lse = mLSE[batch, head, row]
             if lse != -cutlass.Float32.inf:
                 lse2 = lse * LOG2_E
@@ -317,12 +334,14 @@ class Preprocess:
 
 
 class ConvertDQ:
-    """After the main kernel: dQ = softmax_scale * the float32 sum, in q's dtype (8 values per thread)."""
+    """After the main kernel: dQ = softmax_scale * the float32 sum, in q's dtype (8 values at a time,
+    ``row_threads`` per row)."""
 
     vec = 8
 
     def __init__(self, head_dim: int):
-        self.threads_per_row = head_dim // self.vec
+        self.threads_per_row = row_threads(head_dim, self.vec)
+        self.pieces_per_thread = head_dim // self.vec // self.threads_per_row
         self.rows_per_cta = 128 // self.threads_per_row
 
     @cute.jit
@@ -337,10 +356,19 @@ class ConvertDQ:
         row = s_block * self.rows_per_cta + tidx // self.threads_per_row
         chunk = tidx % self.threads_per_row
         if row < mdQ.shape[1]:
-            total = cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (chunk,)).load()
-            dq = cute.local_tile(mdQ[batch, row, head, None], (self.vec,), (chunk,))
-            dq.store((total * softmax_scale).to(mdQ.element_type))
+            for i in cutlass.range_constexpr(self.pieces_per_thread):
+                piece = chunk + i * self.threads_per_row
+                total = cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (piece,)).load()
+                dq = cute.local_tile(mdQ[batch, row, head, None], (self.vec,), (piece,))
+                dq.store((total * softmax_scale).to(mdQ.element_type))
 # --8<-- [end:preprocess]
+
+
+def rows_layout(dtype, shape: tuple) -> cute.ComposedLayout:
+    """A swizzled (rows, head_dim) tile, head_dim contiguous, of the atom SWIZZLE_SPAN chooses."""
+    span = SWIZZLE_SPAN[shape[1]]
+    atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, span), dtype)
+    return cute.tile_to_shape(atom, shape, order=(0, 1))
 
 
 def bhs_as_s_h_b(t: cute.Tensor) -> cute.Tensor:
@@ -394,7 +422,8 @@ class AttentionBackward:
             sdp_mma, dkv_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_lse, tma_mLSE, tma_d, tma_mD, tma_dq, tma_mdQ, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
             scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, rotate, *layouts,
-        ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream)
+        ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)  # a register count at entry: without one ptxas may ignore setmaxnreg (C7508)
 
     def tiled_mmas(self):
         """(S^T = K Q^T and dP^T = V dO^T; dV += P^T dO and dK += dS^T Q; dQ = dS K) as tiled WGMMAs."""
@@ -417,13 +446,10 @@ class AttentionBackward:
         dtype, d = self.dtype, self.head_dim
         sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
         sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
-        kv_layout = cute.slice_(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, 1),
-                                (None, None, 0))
+        kv_layout = rows_layout(dtype, (TILE_N, d))
         sdS_layout = cute.slice_(
             sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, 1), (None, None, 0))
-        sdQ_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, TILE_N, d), cutlass.Float32, 1),
-            (None, None, 0))
+        sdQ_layout = rows_layout(cutlass.Float32, (TILE_M, d))
         return sQ_layout, sdO_layout, kv_layout, kv_layout, sdS_layout, sdQ_layout
 
     @cute.jit

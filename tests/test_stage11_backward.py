@@ -1,5 +1,5 @@
 """Stage 11 checks: dQ, dK, dV (and dsink) against the float64 reference's autograd, within twice the error
-of PyTorch's own backward in the same precision: fp16 and bf16, D 64 and 128, MHA, GQA and MQA, lengths that
+of PyTorch's own backward in the same precision: fp16 and bf16, D 64, 80, 96 and 128, MHA, GQA and MQA, lengths that
 are not tile multiples with S_q != S_k both ways, every mask (causal, windows, sink tokens) and sink logits;
 rows that see no key (exactly zero gradients), NaN-poisoned gradient buffers, and the validation of the
 backward's own arguments.
@@ -31,6 +31,13 @@ MASKS = {
 }
 
 
+HEAD_DIMS = [d for d, _ in backward.HEAD_DIMS]
+# (D, H_q, H_kv): every grouping at 64 and 128; at 80 and 96 (their own swizzles, row passes of several
+# pieces per thread) GQA 4:1.
+DIMS_HEADS = [(d, h_q, h_kv) for d in HEAD_DIMS for h_q, h_kv in testing.GQA_HEADS
+              if d in testing.HEAD_DIMS or (h_q, h_kv) == (8, 2)]
+
+
 def features_of(mask: str, heads_q: int) -> dict:
     features = dict(MASKS[mask])
     if features.get("sink_logits") == "linspace":
@@ -55,7 +62,7 @@ BAD_BACKWARD = {
     "lse-dtype": (lambda: {**cpu_inputs(), "lse": torch.zeros(1, 4, 16, dtype=torch.float16)}, ValueError, "float32"),
     "dk-shape": (lambda: {**cpu_inputs(), "dk": torch.zeros(1, 16, 4, 64, dtype=torch.float16)}, ValueError,
                  "dk has shape"),
-    "head-dim-96": (lambda: cpu_inputs(d=96), NotImplementedError, "head_dim 96.*stage 11"),
+    "head-dim-256": (lambda: cpu_inputs(d=256), NotImplementedError, "head_dim 256.*stage 11.*takes 64, 80, 96, 128"),
     "deterministic-not-bool": (lambda: {**cpu_inputs(), "deterministic": 1}, TypeError, "deterministic must be"),
     "q-fp32": (lambda: {k: (v.float() if k in "qkv" else v) for k, v in cpu_inputs().items()}, TypeError, "float16"),
 }
@@ -70,7 +77,7 @@ def test_bad_backward_input_is_rejected_before_launch(stage, name):
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
 def test_row_passes_cross_compile(stage, head_dim):
     """The preprocess and postprocess kernels compile for sm_90a (fp16 one, bf16 the other), without spilling."""
     from course.runtime.compile import cross_compile
@@ -83,7 +90,8 @@ def test_row_passes_cross_compile(stage, head_dim):
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("name", ["float16_d64_full", "bfloat16_d64_LRT", "float16_d128_R", "bfloat16_d128_LRT"])
+@pytest.mark.parametrize("name", ["float16_d64_full", "bfloat16_d64_LRT", "float16_d128_R", "bfloat16_d128_LRT",
+                                  "float16_d80_full", "bfloat16_d96_LRT"])
 def test_deterministic_mode_cross_compiles(stage, name):
     """The deterministic mode's turn-taking around each dQ reduce-add compiles for sm_90a without spilling."""
     config = next(c for c in stage.KERNEL_CONFIGS if c.name == name)
@@ -92,17 +100,18 @@ def test_deterministic_mode_cross_compiles(stage, name):
 
 
 @pytest.mark.gpu
-def test_preprocess_pads_rows_that_see_nothing(stage):
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
+def test_preprocess_pads_rows_that_see_nothing(stage, head_dim):
     """The preprocess: D = rowsum(dO * O) in float32, the LSE in log2 units with +inf for an empty row (-inf) and
     for the padding up to whole Q tiles (so P = 0 there), D = 0 on the padding, the dQ sum zeroed."""
     from course.runtime import launch
 
-    do, o = (torch.randn(1, 3, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    do, o = (torch.randn(1, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lse = torch.tensor([[[0.5, -float("inf"), 1.0], [2.0, 0.0, -float("inf")]]], device="cuda")
     lse2, d = (torch.full((1, 2, 64), float("nan"), device="cuda") for _ in range(2))
     dq_accum = torch.full(do.shape, float("nan"), device="cuda")
-    pre = launch.compiled((stage.AttentionBackward.preprocess, do.dtype, 64), lambda: (
-        backward.preprocess_kernel_and_args(stage.AttentionBackward, do.dtype, 64)))
+    pre = launch.compiled((stage.AttentionBackward.preprocess, do.dtype, head_dim), lambda: (
+        backward.preprocess_kernel_and_args(stage.AttentionBackward, do.dtype, head_dim)))
     pre(do, o, lse, lse2, d, dq_accum)
     expected = torch.where(torch.isinf(lse), float("inf"), lse * backward.LOG2_E)
     torch.testing.assert_close(lse2[..., :3], expected)
@@ -153,8 +162,7 @@ def run_backward(stage, q, k, v, do, features, poisoned=True):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("h_q, h_kv", testing.GQA_HEADS, ids=[f"h{a}-kv{b}" for a, b in testing.GQA_HEADS])
-@pytest.mark.parametrize("head_dim", testing.HEAD_DIMS, ids=["d64", "d128"])
+@pytest.mark.parametrize("head_dim, h_q, h_kv", DIMS_HEADS, ids=[f"d{d}-h{a}-kv{b}" for d, a, b in DIMS_HEADS])
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
 def test_gradients_match_reference(stage, dtype, head_dim, h_q, h_kv, lengths, mask):
     s_q, s_k = lengths

@@ -30,7 +30,7 @@ KV_TILE = 128  # the kernel's KV tile: one CTA each
 
 
 def kernel_configs() -> list[prefill.KernelConfig]:
-    """Both dtypes, D 64 and 128, every combination of window sides and sink tokens."""
+    """Both dtypes, every head dim of HEAD_DIMS, every combination of window sides and sink tokens."""
     either = (False, True)
     return [prefill.KernelConfig(dtype, d, left, right, tokens)
             for dtype in prefill.DTYPES for d, _ in HEAD_DIMS for left in either for right in either

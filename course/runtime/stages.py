@@ -115,9 +115,10 @@ RAGGED = (
       for b, n, h_q in ((1, 4, 32), (8, 4, 32), (64, 4, 32), (8, 2, 32), (8, 8, 32), (8, 4, 64), (64, 8, 64))),
 )
 
-# Stage 11: the FA3 paper's backward sweep (B * S = 16k, H * D = 2048), D 64 and 128, causal and not, in bf16.
+# Stage 11: the FA3 paper's backward sweep (B * S = 16k, H * D = 2048), every head dim the backward takes, causal
+# and not, in bf16.
 BACKWARD = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, "bfloat16", causal=causal)
-                 for d in (128, 64) for causal in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384))
+                 for d in (128, 64, 96, 80) for causal in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384))
 
 STAGES = [
     Stage(1, "single_tile", "Single-tile FMHA",

@@ -538,15 +538,17 @@ def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA c
     return calls
 
 
-def bench_backward(stage_numbers, *, impl: str = "solutions", repeats: int = 50) -> list[dict]:
-    """The backward stages on their shapes next to SDPA's and FA4's backward, in the same rounds; TFLOP/s
-    count BACKWARD_FLOPS times the forward's FLOPs."""
+def bench_backward(stage_numbers, *, impl: str = "solutions", repeats: int = 50, head_dims=None) -> list[dict]:
+    """The backward stages on their shapes (only those of ``head_dims``, (D, D_v) pairs, if given) next to
+    SDPA's and FA4's backward, in the same rounds; TFLOP/s count BACKWARD_FLOPS times the forward's FLOPs."""
     import torch
 
     rows = []
     for number in stage_numbers:
         module = stages.get(number).load(impl)
         for shape in stages.get(number).bench_shapes:
+            if head_dims is not None and (shape.head_dim, shape.dv) not in head_dims:
+                continue
             calls = backward_calls(shape, module)
             fns = runnable({name: fn for name, (_, fn) in calls.items()}, shape.label)
             for name, ms in time_in_rounds(fns, repeats=repeats).items():
@@ -1067,7 +1069,7 @@ def replot(out_dir: Path = DEFAULT_OUT) -> list[str]:
 def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutions", repeats: int = 50,
         groupings=None, head_dims=None) -> dict:
     """Time ``stage_numbers`` (default: every ready stage; ``groupings``: only the decode shapes of these
-    (H_q, H_kv) pairs; ``head_dims``: only the prefill shapes of these (D, D_v) pairs, nothing else), merge
+    (H_q, H_kv) pairs; ``head_dims``: only the prefill and backward shapes of these (D, D_v) pairs), merge
     the rows into ``out_dir``'s bench.json (``results.merge_into``: the rows of what was not timed stay),
     write the tables (``course.tools.results``) and the plots there."""
     import torch
@@ -1080,9 +1082,9 @@ def run(stage_numbers=None, *, out_dir: Path = DEFAULT_OUT, impl: str = "solutio
     backward = [n for n in numbers if stages.get(n).kind == "backward"]
     results = {"environment": environment(),
                "rows": bench_prefill(prefill, impl=impl, repeats=repeats, head_dims=head_dims)}
-    everything = head_dims is None  # else the prefill rows of those head dims only
-    if backward and everything:
-        results["backward"] = {"rows": bench_backward(backward, impl=impl, repeats=repeats)}
+    everything = head_dims is None  # else the prefill and backward rows of those head dims only
+    if backward:
+        results["backward"] = {"rows": bench_backward(backward, impl=impl, repeats=repeats, head_dims=head_dims)}
     if 8 in prefill and everything:
         results["ablation"] = bench_ablation(impl=impl, repeats=repeats)
     if decode and everything:
