@@ -72,10 +72,18 @@ TILE_N = 128   # keys per CTA: 64 per MMA warpgroup
 Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
 MMA_WGS = 2
 # --8<-- [start:swizzle_span]
-# The columns whose widest swizzle atom lays out K, V and the float32 dQ in shared memory. dQ = dS K gives
-# each warpgroup half of head_dim, reading K M/N-major: at D = 96 a 32-column atom (the widest for 96) would
-# straddle the half at 48, so the atoms are chosen for 48 columns (16 wide); at 80, for 40 (8 wide, no swizzle).
-SWIZZLE_SPAN = {64: 64, 80: 40, 96: 48, 128: 128}
+# Warpgroups that compute dQ = dS K, each a part of head_dim's columns (the other waits). At D = 80 a half (40
+# columns) would cut K's 16-column swizzle atoms, and narrower atoms cost more than the idle warpgroup (measured
+# on the page): one warpgroup computes all of dQ, as FlashAttention's Hopper backward does up to D = 96.
+DQ_WARPGROUPS = {64: 2, 80: 1, 96: 2, 128: 2}
+
+
+def swizzle_span(head_dim: int) -> int:
+    """The columns whose widest swizzle atom lays out K, V and the float32 dQ in shared memory: head_dim, unless
+    dQ's warpgroups split it where such an atom would straddle the cut (96: halves of 48, atoms of 32 columns),
+    then the part (48: atoms of 16)."""
+    part = head_dim // DQ_WARPGROUPS[head_dim]
+    return head_dim if part & (part - 1) == 0 or part == head_dim else part
 # --8<-- [end:swizzle_span]
 
 
@@ -341,8 +349,8 @@ class ConvertDQ:
 
 
 def rows_layout(dtype, shape: tuple) -> cute.ComposedLayout:
-    """A swizzled (rows, head_dim) tile, head_dim contiguous, of the atom SWIZZLE_SPAN chooses."""
-    span = SWIZZLE_SPAN[shape[1]]
+    """A swizzled (rows, head_dim) tile, head_dim contiguous, of the atom ``swizzle_span`` chooses."""
+    span = swizzle_span(shape[1])
     atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, span), dtype)
     return cute.tile_to_shape(atom, shape, order=(0, 1))
 
@@ -411,10 +419,11 @@ class AttentionBackward:
         dkv_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS, 1, 1), (64, d),
             warpgroup.OperandSource.RMEM)
-        # dQ: the Q tile's 64 rows, warpgroup w owns half of head_dim; dS and K both M/N-major.
+        # dQ: the Q tile's 64 rows, warpgroup w owns part w of head_dim (DQ_WARPGROUPS); dS and K both M/N-major.
+        dq_wgs = DQ_WARPGROUPS[d]
         dq_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (1, MMA_WGS, 1),
-            (64, d // MMA_WGS))
+            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (1, dq_wgs, 1),
+            (64, d // dq_wgs))
         return sdp_mma, dkv_mma, dq_mma
 
     def smem_layouts(self):
@@ -615,7 +624,9 @@ class AttentionBackward:
         tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
-        thr_dq = dq_mma.get_slice(mma_tidx)
+        dq_threads = 128 * DQ_WARPGROUPS[d]
+        computes_dq = mma_tidx < dq_threads if DQ_WARPGROUPS[d] < MMA_WGS else True  # every warpgroup, or the first
+        thr_dq = dq_mma.get_slice(mma_tidx % dq_threads)
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK)))  # K^T: (N = d, K = keys)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
@@ -661,7 +672,8 @@ class AttentionBackward:
             cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy stores, then WGMMA reads
             cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=self.mma_threads)
             warpgroup_gemm(dkv_mma, acc_dK, tdKrdS, tdKrQ[None, None, None, q], zero_init=False)
-            warpgroup_gemm(dq_mma, acc_dQ, tdQrdS, tdQrK)
+            if computes_dq:
+                warpgroup_gemm(dq_mma, acc_dQ, tdQrdS, tdQrK)
             warpgroup.wait_group(0)
             pipeline_q.consumer_release(q_state)
             pipeline_do.consumer_release(do_state)
@@ -680,7 +692,8 @@ class AttentionBackward:
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last reduce-add has read sdQ
             cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=self.mma_threads)
-            cute.autovec_copy(acc_dQ, tdQsdQ)
+            if computes_dq:
+                cute.autovec_copy(acc_dQ, tdQsdQ)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=self.mma_threads)
             if first_warp:

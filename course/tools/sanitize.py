@@ -159,10 +159,10 @@ def launch_stage(number: int) -> None:
             module.decode_attention(**inputs, **new, cache_capacity=64, window_size_left=50, num_sink_tokens=4,
                                     alibi_slopes=testing.alibi_slopes(16), num_splits=3)
     elif stage.kind == "backward":  # the forward runs too: the sanitizer checks both
-        # D = 96: the narrower swizzles of K, V and dQ (SWIZZLE_SPAN), the row passes' several pieces per thread.
+        # D = 96: narrower swizzles (swizzle_span); D = 80: dQ on one warpgroup; both: several pieces per row thread.
         for head_dim, options in ((64, {"causal": True}), (128, {"window_size": (100, 10), "num_sink_tokens": 3,
                                                                  "sink_logits": torch.linspace(-1, 1, 4, device="cuda")}),
-                                  (96, {"causal": True})):
+                                  (96, {"causal": True}), (80, {"window_size": (100, 10)})):
             q, k, v = testing.random_qkv(1, 200, 300, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
             o, lse = module.attention(q, k, v, return_lse=True, **options)
             for deterministic in (False, True):
