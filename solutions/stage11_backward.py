@@ -294,11 +294,9 @@ def row_threads(head_dim: int, vec: int = 8) -> int:
 
 
 # --8<-- [start:preprocess]
-class Preprocess:
-    """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32, the LSE in log2 units
-    with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf) = 0
-    there), and the float32 dQ sum zeroed. A row's threads (``row_threads``) take its 8-value (16-byte)
-    pieces in turn."""
+class RowPass:
+    """A pass over [B, S, H, D] rows in CTAs of 128 threads: ``row_threads`` per row, each taking the row's
+    8-value (16-byte) pieces chunk, chunk + threads_per_row, ..."""
 
     vec = 8
 
@@ -306,6 +304,12 @@ class Preprocess:
         self.threads_per_row = row_threads(head_dim, self.vec)
         self.pieces_per_thread = head_dim // self.vec // self.threads_per_row
         self.rows_per_cta = 128 // self.threads_per_row
+
+
+class Preprocess(RowPass):
+    """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32, the LSE in log2 units
+    with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf) = 0
+    there), and the float32 dQ sum zeroed."""
 
     @cute.jit
     def __call__(self, mdO: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
@@ -341,16 +345,8 @@ class Preprocess:
             mD[batch, head, row] = d
 
 
-class ConvertDQ:
-    """After the main kernel: dQ = softmax_scale * the float32 sum, in q's dtype (8 values at a time,
-    ``row_threads`` per row)."""
-
-    vec = 8
-
-    def __init__(self, head_dim: int):
-        self.threads_per_row = row_threads(head_dim, self.vec)
-        self.pieces_per_thread = head_dim // self.vec // self.threads_per_row
-        self.rows_per_cta = 128 // self.threads_per_row
+class ConvertDQ(RowPass):
+    """After the main kernel: dQ = softmax_scale * the float32 sum, in q's dtype."""
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32, stream):
