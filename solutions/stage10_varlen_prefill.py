@@ -24,6 +24,9 @@ rows come from and go to:
    ``page_rows`` rows (the largest count that divides both the tile and the
    page), each from the page the block table names; copies past the
    sequence's end read a page outside the pool, which TMA fills with zeros.
+   With small pages the producer warpgroup gathers the tile with cp.async
+   instead (``gather_paged_tile``): many small TMA copies, issued one by
+   one, arrive too late.
 4. Rows past the end are never written: a warpgroup whose 64 rows of O are
    all in the sequence stores them with stage 8's TMA store; the one that
    holds the sequence's last rows stores them from registers, row by row,
@@ -44,6 +47,8 @@ Run it:
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import cutlass
 import cutlass.cute as cute
@@ -258,11 +263,97 @@ def load_paged_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXs
 # --8<-- [end:paged_load]
 
 
+# --8<-- [start:gather]
+@dataclasses.dataclass(frozen=True)
+class PipelineGather(pipeline.PipelineTmaAsync):
+    """Stage 8's K or V ring filled by ``cp.async`` instead of TMA: the full barrier counts the producer
+    warpgroup's 128 threads, each arriving once its own copies of the tile have landed
+    (``cp.async.mbarrier.arrive``); the MMA warps release buffers as before, one arrival per warp."""
+
+    @staticmethod
+    def on(storage_bars, mma_threads: int) -> PipelineGather:
+        ring = pipeline.PipelineTmaAsync.create(
+            num_stages=KV_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, GATHER_THREADS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mma_threads // 32), tx_count=0,
+            barrier_storage=storage_bars.data_ptr(), defer_sync=True)
+        return PipelineGather(**{field.name: getattr(ring, field.name) for field in dataclasses.fields(ring)})
+
+    def producer_acquire(self, state):
+        self.sync_object_empty.wait(state.index, state.phase)  # no byte count to arm: no TMA lands here
+
+    def producer_commit(self, state):
+        cute.arch.cp_async_mbarrier_arrive_noinc(self.producer_get_barrier(state))
+
+
+GATHER_THREADS = 128  # the producer warpgroup: every warp of it copies
+# Rows per paged copy up to which the producer warpgroup gathers a KV tile instead of issuing TMA copies, by
+# MMA warpgroups; chosen by measurement (the page's "Small pages").
+GATHER_PAGE_ROWS = {2: 16, 3: 32}
+# setmaxnreg with the gather: the producer threads hold a row's addresses and the unrolled copy loop's counters.
+# Two MMA warpgroups keep stage 8's split (24 fit the loop; 8 more would cost each MMA thread 8); three leave 8
+# registers per producer thread unallocated in stage 8 (24 x 128 + 160 x 384 < 64K), which the gather takes.
+GATHER_REGISTERS = {2: (24, 240), 3: (32, 160)}  # (producer, MMA)
+
+
+@cute.jit
+def gather_paged_tile(pipe, state, mX: cute.Tensor, sX: cute.Tensor, n_block: cutlass.Int32,
+                      seqlen_k: cutlass.Int32, page_size: cutlass.Int32, pages: cute.Tensor,
+                      tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr):
+    """Producer step of a paged cache with small pages: KV tile ``n_block`` gathered with 16-byte ``cp.async``
+    copies by the producer warpgroup's 128 threads (each calls it), instead of one TMA copy per
+    ``page_rows`` rows issued by one thread. Rows at or past ``seqlen_k`` are filled with zeros.
+
+    ``mX``: (page_size, D, pages) of this KV head; ``sX``: (tile_n, D, KV_STAGES), the ring as rows;
+    ``pages``: this sequence's row of the block table.
+    """
+    d = cute.size(sX, mode=[1])
+    piece = 128 // sX.element_type.width  # elements per 16-byte copy
+    pieces_per_row = d // piece
+    tidx = cute.arch.thread_idx()[0] % GATHER_THREADS
+    # 16 rows at a time, 8 threads to a row, each copying every 8th piece of it: page_rows is a multiple
+    # of 16, so the 16 rows of a pass are in one page.
+    rows_per_pass = GATHER_THREADS // 8
+    row_in_pass, first_piece = tidx // 8, tidx % 8
+    # As in load_paged_tile: lane c of each warp looks up copy c's page and where in it the copy starts.
+    key = n_block * tile_n + cute.arch.lane_idx() * page_rows
+    lane_page, lane_row = cutlass.Int32(0), cutlass.Int32(0)
+    if key < seqlen_k:
+        lane_page, lane_row = pages[key // page_size], key % page_size
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), sX.element_type,
+                               num_bits_per_copy=128)
+    pipe.producer_acquire(state)
+    for p in cutlass.range(tile_n // rows_per_pass, unroll_full=True):  # (one pass's latency hides the next's)
+        row = p * rows_per_pass + row_in_pass  # in the tile
+        c = row // page_rows  # the same copy (page) for the whole pass
+        src = mX[cute.arch.shuffle_sync(lane_row, c) + row % page_rows, None, cute.arch.shuffle_sync(lane_page, c)]
+        for k in cutlass.range_constexpr((pieces_per_row + 7) // 8):
+            col = first_piece + 8 * k
+            if cutlass.const_expr(pieces_per_row % 8 == 0) or col < pieces_per_row:
+                copy_or_zeros(atom, cute.local_tile(src, (piece,), (col,)),
+                              cute.local_tile(sX[row, None, state.index], (piece,), (col,)),
+                              n_block * tile_n + row < seqlen_k)
+    pipe.producer_commit(state)
+
+
+@cute.jit
+def copy_or_zeros(atom, src: cute.Tensor, dst: cute.Tensor, valid: cutlass.Boolean):
+    """One 16-byte cp.async, or (``valid`` false) none that fills ``dst`` with zeros: a source size of 0."""
+    one_copy = cute.make_layout(((cute.size(src),), 1), stride=((1,), 0))
+    pred = cute.make_rmem_tensor(cute.make_layout(((cute.size(src),), 1), stride=((0,), 0)), cutlass.Boolean)
+    pred[0] = valid
+    cute.copy(atom, cute.make_tensor(src.iterator, one_copy), cute.make_tensor(dst.iterator, one_copy), pred=pred)
+# --8<-- [end:gather]
+
+
 @cute.jit
 def load_kv_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n_block: cutlass.Int32,
-                 paging, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr):
-    """KV tile ``n_block``: stage 8's one TMA copy from packed rows, or ``load_paged_tile`` (page_rows > 0)."""
-    if cutlass.const_expr(page_rows > 0):
+                 paging, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr, gather: cutlass.Constexpr):
+    """KV tile ``n_block``: stage 8's one TMA copy from packed rows, ``load_paged_tile`` (page_rows > 0), or
+    ``gather_paged_tile`` (``gather``: ``tXgX`` the head's pool, ``tXsX`` the ring as rows)."""
+    if cutlass.const_expr(gather):
+        seqlen_k, page_size, pages, _ = paging
+        gather_paged_tile(pipe, state, tXgX, tXsX, n_block, seqlen_k, page_size, pages, tile_n, page_rows)
+    elif cutlass.const_expr(page_rows > 0):
         seqlen_k, page_size, pages, num_pages = paging
         load_paged_tile(pipe, state, tma_atom, tXgX, tXsX, n_block, seqlen_k, page_size, pages, num_pages, tile_n,
                         page_rows)
@@ -356,12 +447,21 @@ class VarlenAttention(Attention):
     def __init__(self, config: varlen.VarlenConfig):
         super().__init__(config)
         self.page_rows = config.page_rows  # 0: K and V packed like Q
-        self.zero_v_tail = config.page_rows > 0 or config.has_seqused_k  # slots past S_k may hold anything
+        self.gather = config.page_gather  # paged K/V copied row by row by the producer warpgroup, not by TMA
+        # Slots past S_k may hold anything (the gather fills its rows past S_k with zeros itself).
+        self.zero_v_tail = (config.page_rows > 0 and not self.gather) or config.has_seqused_k
+        self.loader_warps = GATHER_THREADS // 32 if self.gather else 1
+        self.registers = (GATHER_REGISTERS if self.gather else REGISTERS)[self.num_wgs]
 
     @staticmethod
     def tiles_for(head_dim: int, head_dim_v: int):
         """Stage 8's tiling of (D, D_v): the host picks the rows per paged copy from its KV tile."""
         return TILES[head_dim, head_dim_v]
+
+    @staticmethod
+    def gathers(head_dim: int, head_dim_v: int, page_rows: int) -> bool:
+        """Whether a paged KV tile of ``page_rows`` rows per TMA copy is gathered by cp.async instead."""
+        return 0 < page_rows <= GATHER_PAGE_ROWS[TILES[head_dim, head_dim_v].mma_warpgroups]
 
     @cute.jit
     def __call__(
@@ -386,7 +486,9 @@ class VarlenAttention(Attention):
     ):
         d, dv, n = self.head_dim, self.head_dim_v, self.tile_n
         mQ, mO = packed_as_rows_dim(mQ), packed_as_rows_dim(mO)
-        if cutlass.const_expr(self.page_rows > 0):
+        if cutlass.const_expr(self.gather):
+            mK, mV = bshd_as_rows_dim(mK), bshd_as_rows_dim(mV)  # (page_size, D, H, pages), read by cp.async
+        elif cutlass.const_expr(self.page_rows > 0):
             mK, mV = bshd_as_rows_dim(mK), bshd_as_dim_rows(mV)  # [pages, page_size, H, D]: a page is a "batch"
             k_box, v_box = (self.page_rows, d), (dv, self.page_rows)
         else:
@@ -396,14 +498,16 @@ class VarlenAttention(Attention):
         sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
         self.define_shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
         one_stage = (None, None, 0)
-        # One copy's box in the ring: a whole KV tile (packed), or page_rows of its rows (paged; keys are
-        # mode 0 of a K tile, mode 1 of a V tile).
-        k_copy = cute.composition(cute.slice_(sK_layout, one_stage), cute.make_layout(k_box, stride=(1, n)))
-        v_copy = cute.composition(cute.slice_(sV_layout, one_stage), cute.make_layout(v_box, stride=(1, dv)))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, k_copy, k_box)
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, v_copy, v_box)
+        tma_k, tma_mK, tma_v, tma_mV = None, mK, None, mV  # (the gather reads K and V as they are)
+        if cutlass.const_expr(not self.gather):
+            # One copy's box in the ring: a whole KV tile (packed), or page_rows of its rows (paged; keys are
+            # mode 0 of a K tile, mode 1 of a V tile).
+            k_copy = cute.composition(cute.slice_(sK_layout, one_stage), cute.make_layout(k_box, stride=(1, n)))
+            v_copy = cute.composition(cute.slice_(sV_layout, one_stage), cute.make_layout(v_box, stride=(1, dv)))
+            tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, k_copy, k_box)
+            tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, v_copy, v_box)
         tma_o, tma_mO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO,
                                                     cute.slice_(sO_layout, one_stage), (self.o_rows, dv))
         scheduler = self.varlen_scheduler(mQ, mCuSeqlensQ)
@@ -426,6 +530,15 @@ class VarlenAttention(Attention):
         if cutlass.const_expr(self.page_rows > 0):
             capacity = mBlockTable.shape[1] * mK.shape[0]  # (page_size, D, H, pages): mode 0 is the page size
         return capacity
+
+    def make_pipelines(self, storage):
+        """Stage 8's pipelines; with ``gather``, K and V rings that cp.async fills (their barriers initialized
+        again, for 128 producer arrivals)."""
+        pipeline_q, pipeline_k, pipeline_v = super().make_pipelines(storage)
+        if cutlass.const_expr(self.gather):
+            pipeline_k, pipeline_v = (PipelineGather.on(bars, self.mma_threads) for bars in (storage.k_bars,
+                                                                                           storage.v_bars))
+        return pipeline_q, pipeline_k, pipeline_v
 
     @cute.kernel
     def kernel(
@@ -466,23 +579,22 @@ class VarlenAttention(Attention):
         sQ, sK, sV, sO = self.shared_tensors(storage, sQ_layout, sK_layout, sV_layout, sO_layout)
         pipeline_q, pipeline_k, pipeline_v = self.make_pipelines(storage)
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
-            cpasync.prefetch_descriptor(tma_v)
-            cpasync.prefetch_descriptor(tma_o)
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()  # every barrier is initialized before anyone uses one
 
         sequences = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable)
         window = (window_left, window_right, num_sink_tokens)
         if warpgroup_idx > 0:
-            cute.arch.setmaxregister_increase(REGISTERS[self.num_wgs][1])
+            cute.arch.setmaxregister_increase(self.registers[1])
             self.mma(self.varlen_scheduler(mQ, mCuSeqlensQ), qk_mma, pv_mma, pv_mma_wg, tma_o, mQ, mK, tma_mO, mO,
                      mLSE, mSinks, sequences, sK, sQ, sV, sO, pipeline_q, pipeline_k, pipeline_v, scale_log2, window,
                      write_lse, mAlibi)
         else:
-            cute.arch.setmaxregister_decrease(REGISTERS[self.num_wgs][0])
-            if warp_idx == 0:
+            cute.arch.setmaxregister_decrease(self.registers[0])
+            if warp_idx < self.loader_warps:
                 self.load(self.varlen_scheduler(mQ, mCuSeqlensQ), tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sK, sV,
                           sequences, pipeline_q, pipeline_k, pipeline_v, window)
 
@@ -491,7 +603,8 @@ class VarlenAttention(Attention):
     def load(self, scheduler: VarlenTileScheduler, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom,
              mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
              sV: cute.Tensor, sequences, pipeline_q, pipeline_k, pipeline_v, window):
-        """The producer warp: stage 8's, with each tile's rows at its sequence's offset, K and V from pages."""
+        """The producer warp: stage 8's, with each tile's rows at its sequence's offset, K and V from pages
+        (with ``gather``, every warp of the producer warpgroup runs it: warp 0 loads Q, all of them K and V)."""
         mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable = sequences
         window_left, window_right, num_sink_tokens = window
         d, dv, n, rows = self.head_dim, self.head_dim_v, self.tile_n, self.page_rows
@@ -502,7 +615,11 @@ class VarlenAttention(Attention):
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         capacity = self.key_capacity(mK, mBlockTable)
         page_size, num_pages = mK.shape[0], mK.shape[3] if paged else 0
-        if cutlass.const_expr(paged):
+        loads_q = True  # the producer warp; with the gather, warp 0 of the four
+        if cutlass.const_expr(self.gather):
+            loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
+            sV = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))  # (tile_n, D_v, KV_STAGES)
+        elif cutlass.const_expr(paged):
             # The ring as copies: (TMA, tile_n // rows, KV_STAGES); each copy is `rows` rows of a tile.
             sK = cute.group_modes(cute.flat_divide(sK, (rows, d))[None, None, None, 0, None], 0, 2)
             sV = cute.group_modes(cute.flat_divide(sV, (dv, rows))[None, None, 0, None, None], 0, 2)
@@ -529,35 +646,40 @@ class VarlenAttention(Attention):
                                      (m_block, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                    cute.group_modes(gQ, 0, 2))
-                if cutlass.const_expr(paged):
+                if cutlass.const_expr(self.gather):  # the head's pool, (page_size, D, pages), and the rings as they are
+                    tKgK, tKsK, tVgV, tVsV = mK[None, None, head_kv, None], sK, mV[None, None, head_kv, None], sV
+                elif cutlass.const_expr(paged):
                     gK = cute.local_tile(mK[None, None, head_kv, None], (rows, d), (None, 0, None))
                     gV = cute.local_tile(mV[None, None, head_kv, None], (dv, rows), (0, None, None))
                 else:
                     gK = cute.local_tile(cute.domain_offset((start_k, 0), mK[None, None, head_kv]), (n, d), (None, 0))
                     gV = cute.local_tile(cute.domain_offset((0, start_k), mV[None, None, head_kv]), (dv, n), (0, None))
-                tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, sK, cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, sV, cute.group_modes(gV, 0, 2))
+                if cutlass.const_expr(not self.gather):
+                    tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, sK, cute.group_modes(gK, 0, 2))
+                    tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, sV, cute.group_modes(gV, 0, 2))
                 paging = (seqlen_k, page_size, mBlockTable[batch, None], num_pages) if paged else None
                 # Stage 8's order: K of the first tile, then Q; V one tile behind K.
                 if n_tiles > 0:
                     load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, kv_block(0, n_block_min, n_block_max),
-                                 paging, n, rows)
+                                 paging, n, rows, self.gather)
                     k_state.advance()
-                pipeline_q.producer_acquire(q_state)
-                cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-                q_state.advance()
+                if loads_q:
+                    pipeline_q.producer_acquire(q_state)
+                    cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                    q_state.advance()
                 for i in cutlass.range(1, n_tiles, unroll=1):
                     load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, kv_block(i, n_block_min, n_block_max),
-                                 paging, n, rows)
+                                 paging, n, rows, self.gather)
                     k_state.advance()
                     load_kv_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(i - 1, n_block_min, n_block_max),
-                                 paging, n, rows)
+                                 paging, n, rows, self.gather)
                     v_state.advance()
                 if n_tiles > 0:
                     load_kv_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(n_tiles - 1, n_block_min, n_block_max),
-                                 paging, n, rows)
+                                 paging, n, rows, self.gather)
                     v_state.advance()
-        pipeline_q.producer_tail(q_state)
+        if loads_q:
+            pipeline_q.producer_tail(q_state)
         pipeline_k.producer_tail(k_state)
         pipeline_v.producer_tail(v_state)
     # --8<-- [end:producer]
@@ -652,7 +774,7 @@ class VarlenAttention(Attention):
     # --8<-- [end:consumer]
 
 
-KERNEL_CONFIGS = varlen.kernel_configs(STAGE)  # each combination of this stage's features, compiled on its own
+KERNEL_CONFIGS = varlen.kernel_configs(STAGE, VarlenAttention.gathers)  # each combination of this stage's features, compiled on its own
 
 
 def cross_compile_config(config: varlen.VarlenConfig, keep: bool = False):

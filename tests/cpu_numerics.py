@@ -1264,6 +1264,135 @@ def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 1
                                      "which TMA fills with zeros")
 
 
+
+def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int = 128, tile_n: int = 128,
+                            num_pages: int = 40, seed: int = 0) -> None:
+    """gather_paged_tile run by the producer warpgroup's 128 threads (a Python thread each, ``shuffle_sync``
+    exchanging values within each warp of 32): for every KV tile of a sequence of ``seqlen_k`` keys in
+    pages of ``page_size`` rows (a shuffled block table), every 16-byte piece of the tile's rows is copied
+    exactly once, from the key's page and row (or, at and past ``seqlen_k``, filled with zeros), between
+    each thread's one producer_acquire and its one producer_commit; no block-table entry past the
+    sequence's pages is read."""
+    import random
+    import threading
+    from types import SimpleNamespace
+
+    from course.runtime import varlen
+
+    threads = module.GATHER_THREADS
+    page_rows = varlen.page_rows(tile_n, page_size)
+    used = -(-seqlen_k // page_size)
+    table = random.Random(seed).sample(range(num_pages), used) + [10**6 + i for i in range(3)]  # then garbage
+    me = threading.local()
+    shared = [0] * threads
+    barriers = [threading.Barrier(WARP, timeout=10) for _ in range(threads // WARP)]
+    errors: list = []
+
+    class BlockTableRow:
+        def __getitem__(self, index):
+            index = int(index)
+            if index >= used:
+                raise AssertionError(f"thread {me.tid} reads block-table entry {index}, past the sequence's {used} "
+                                     f"pages (keys {index * page_size} on, at or past seqlen_k = {seqlen_k}): those "
+                                     "entries may be anything")
+            return table[index]
+
+    def shuffle_sync(value, lane, **_):
+        warp, barrier = me.tid // WARP, barriers[me.tid // WARP]
+        shared[me.tid] = int(value)
+        barrier.wait()
+        result = shared[warp * WARP + int(lane)]
+        barrier.wait()
+        return result
+
+    class Rows:  # mX (page_size, D, pages) or the ring (tile_n, D, stages): [row, None, page or buffer] -> a row
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, key):
+            row, _, last = key
+            return (self.name, int(row), int(last))
+
+        element_type = SimpleNamespace(width=16)
+
+    def local_tile(row, tile, coord):
+        return (*row, int(coord[0]) * tile[0])  # (name, row, page or buffer, first column)
+
+    log: dict = {}
+
+    def copy_or_zeros(_atom, src, dst, valid):
+        log[me.tid].append(("copy", src, dst, bool(valid)))
+
+    arch = SimpleNamespace(thread_idx=lambda: (me.tid, 0, 0), lane_idx=lambda: me.tid % WARP,
+                           shuffle_sync=shuffle_sync)
+    cute = SimpleNamespace(arch=arch, size=lambda t, mode: head_dim, local_tile=local_tile,
+                           make_copy_atom=lambda *a, **k: None)
+    cpasync = SimpleNamespace(CopyG2SOp=lambda **_: None, LoadCacheMode=SimpleNamespace(GLOBAL=None))
+    stand_ins = _dsl_stand_ins(None, arch)
+    stand_ins.update(cute=cute, cpasync=cpasync, copy_or_zeros=copy_or_zeros)
+    gather = _as_python(module, "gather_paged_tile", stand_ins)
+
+    def thread(tid, state, n_block, where):
+        me.tid = tid
+        log[tid] = []
+        try:
+            gather(_RecordingPipe(log[tid]), state, Rows("pool"), Rows("ring buffer"), n_block, seqlen_k, page_size,
+                   BlockTableRow(), tile_n, page_rows)
+        except threading.BrokenBarrierError:
+            errors.append(f"{where}: the lanes of a warp did not all reach the same shuffle_sync: every lane must run "
+                          "each shuffle (a shuffle inside a branch that some lanes skip hangs the warp)")
+        except Exception as failure:  # noqa: BLE001 (raised below, in the test's thread)
+            errors.append(failure)
+            for barrier in barriers:
+                barrier.abort()
+
+    piece = 128 // 16
+    for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):
+        state = _Ring(count)
+        where = (f"gather_paged_tile(KV tile {n_block}, {state}), seqlen_k {seqlen_k}, pages of {page_size} rows, "
+                 f"D = {head_dim}")
+        workers = [threading.Thread(target=thread, args=(t, state, n_block, where)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if errors:
+            failure = next((e for e in errors if isinstance(e, BaseException)), errors[0])
+            raise failure if isinstance(failure, BaseException) else AssertionError(failure)
+        written = {}
+        for tid, events in log.items():
+            kinds = [event[0] for event in events]
+            if kinds.count("acquire") != 1 or kinds[0] != "acquire" or kinds.count("commit") != 1 or \
+                    kinds[-1] != "commit" or events[0][1:] != (state.index, state.phase):
+                raise AssertionError(f"{where}: thread {tid} does {kinds[:3]}...{kinds[-2:]}; every producer thread "
+                                     f"acquires the buffer of {state} once before its copies and commits once after "
+                                     "them (the full barrier counts one arrival per thread)")
+            for _, src, dst, valid in (event for event in events if event[0] == "copy"):
+                key = (dst[1], dst[3])
+                if dst[0] != "ring buffer" or dst[2] != state.index:
+                    raise AssertionError(f"{where}: thread {tid} writes {dst}; expected ring buffer {state.index}")
+                if key in written:
+                    raise AssertionError(f"{where}: row {key[0]}, columns {key[1]}.. of the tile written twice "
+                                         f"(threads {written[key][0]} and {tid})")
+                written[key] = (tid, src, valid)
+        expected = {(row, col) for row in range(tile_n) for col in range(0, head_dim, piece)}
+        if set(written) != expected:
+            missing = sorted(expected - set(written))[:3]
+            raise AssertionError(f"{where}: {len(expected - set(written))} pieces of the tile are never written "
+                                 f"(e.g. (row, first column) {missing}); {len(set(written) - expected)} outside it")
+        for (row, col), (_, src, valid) in written.items():
+            key = n_block * tile_n + row
+            if key >= seqlen_k:
+                if valid:
+                    raise AssertionError(f"{where}: row {row} holds key {key}, past seqlen_k: it must be filled with "
+                                         "zeros (valid false), not copied")
+                continue
+            want = ("pool", key % page_size, table[key // page_size], col)
+            if not valid or src != want:
+                raise AssertionError(f"{where}: row {row}, columns {col}.. (key {key}) copied from {src} "
+                                     f"(valid {valid}); expected page {want[2]}, row {want[1]}, columns {col}..")
+
+
 # ---------------------------------------------------------------- stage 11: a KV tile's Q tiles, P and dS
 
 def sdp_tiled_mma(module):

@@ -893,6 +893,32 @@ def test_tile_variants_render_shares_of_fa4_with_the_chosen_tiling_in_bold(tmp_p
         assert "Not measured yet" in (tmp_path / name).read_text()
 
 
+def test_paged_copies_render_times_with_the_chosen_copy_in_bold(tmp_path):
+    """`paged_copies --render`: a row per (head dim, page size), each copy's time next to FA4's and the packed
+    batch's, the copy stage 10 chooses (GATHER_PAGE_ROWS) in bold; the forced classes copy one way only."""
+    import json
+
+    from course.tools import paged_copies
+
+    stage = stages.get(10).load("solutions")
+    assert paged_copies.forced(stage, True).gathers(128, 128, 64) and not paged_copies.forced(stage, True).gathers(
+        128, 128, 0)
+    assert not paged_copies.forced(stage, False).gathers(64, 64, 16)
+    ms = {"TMA per page": 2.6, "gather": 2.3, "FA4": 1.7, "packed": 1.68}
+    results = {"environment": {"gpu": "H100"}, "paged copies": [
+        {"label": "x", "head_dim": 128, "page_size": 16, "ms": ms},
+        {"label": "x", "head_dim": 128, "page_size": 64, "ms": ms},
+        {"label": "x", "head_dim": 64, "page_size": 32, "ms": ms}]}
+    (tmp_path / paged_copies.JSON).write_text(json.dumps(results))
+    paged_copies.main(["--render", "--out", str(tmp_path)])
+    text = (tmp_path / paged_copies.TABLE).read_text()
+    assert "| 128 | 16 | 2.600 | **2.300** | 1.700 | 1.680 |" in text
+    assert "| 128 | 64 | **2.600** | 2.300 | 1.700 | 1.680 |" in text
+    assert "| 64 | 32 | 2.600 | **2.300** | 1.700 | 1.680 |" in text
+    paged_copies.write_tables({"environment": {}}, tmp_path)
+    assert "Not measured yet" in (tmp_path / paged_copies.TABLE).read_text()
+
+
 def test_kv_cache_bench_renders_speedups_sizes_and_logit_differences(tmp_path):
     """`kv_cache_bench --render`: a row per (model, batch, context): the three caches' step times, the bf16 time
     over each quantized one's, the caches' sizes and the logits' difference from the bf16 cache's."""

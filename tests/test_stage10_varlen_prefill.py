@@ -326,6 +326,21 @@ def test_on_cpu_load_paged_tile(stage, page_size, seqlen_k):
     cpu_numerics.check_load_paged_tile(stage, page_size, seqlen_k)
 
 
+# (page_size, seqlen_k, D, tile_n): 16-row pages at D = 128, 32-row ones at 64, D = 80 and 96 (rows of 10 and 12
+# pieces, not a multiple of the 8 threads per row), a 48-row page under an 80-key tile (copies of 16 rows), D = 256.
+GATHERS = [(16, 300, 128, 128), (32, 40, 64, 128), (16, 129, 80, 80), (48, 170, 80, 80), (32, 200, 96, 96),
+           (16, 100, 256, 80)]
+
+
+@pytest.mark.parametrize("page_size, seqlen_k, head_dim, tile_n", GATHERS,
+                         ids=[f"page{p}-sk{s}-d{d}" for p, s, d, _ in GATHERS])
+def test_on_cpu_gather_paged_tile(stage, page_size, seqlen_k, head_dim, tile_n):
+    """gather_paged_tile, the producer warpgroup as 128 threads on the CPU (tests/cpu_numerics.py): each 16-byte
+    piece of the tile copied once from its key's page and row, zeros past S_k, between each thread's one
+    producer_acquire and one producer_commit; no block-table entry past the sequence's pages read."""
+    cpu_numerics.check_gather_paged_tile(stage, page_size, seqlen_k, head_dim, tile_n)
+
+
 @pytest.mark.parametrize("name", list(LOCATE_BATCHES))
 def test_on_cpu_locate(stage, name):
     """Your locate, one warp in lockstep on the CPU (tests/cpu_numerics.py): every linear tile's sequence and

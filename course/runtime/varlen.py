@@ -18,7 +18,7 @@ sequences of one length.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from course.runtime import launch, prefill, validation
 from course.runtime.compile import cross_compile, symbolic_tensor
@@ -32,6 +32,7 @@ class VarlenConfig(KernelConfig):
     """Stage 8's ``KernelConfig`` and how K and V are read: packed, or from pages ``page_rows`` rows at a time."""
 
     page_rows: int = 0            # paged K/V: rows per TMA copy, gcd(KV tile, page size); 0: packed K/V
+    page_gather: bool = False     # paged K/V copied row by row (cp.async) by the producer warpgroup, not by TMA
     has_seqused_k: bool = False   # packed K/V with seqused_k: the slots past it may hold anything
     has_alibi: bool = False       # ALiBi slopes: a bias on every tile's scores
 
@@ -39,6 +40,7 @@ class VarlenConfig(KernelConfig):
     def name(self) -> str:
         """stage 8's name, then ``_p16`` (paged, 16 rows per copy) or ``_u`` (seqused_k), and ``_alibi``."""
         kv = f"_p{self.page_rows}" if self.page_rows else ("_u" if self.has_seqused_k else "")
+        kv += "g" if self.page_gather else ""
         return super().name + kv + ("_alibi" if self.has_alibi else "")
 
 
@@ -47,21 +49,23 @@ def page_rows(tile_n: int, page_size: int) -> int:
     return math.gcd(tile_n, page_size)
 
 
-def kernel_configs(stage: int) -> list[VarlenConfig]:
+def kernel_configs(stage: int, gathers) -> list[VarlenConfig]:
     """What stage 10's cross-compile test compiles: packed K/V with stage 8's features off and all on at
-    D = 64 and 128 (fp16 and bf16), with seqused_k; paged at 16, 64 and 128 rows per copy; and every
-    other head dim pair paged with every feature on. The last one has every feature on."""
+    D = 64 and 128 (fp16 and bf16), with seqused_k; paged at 16, 32, 64 and 128 rows per copy; and every
+    other head dim pair paged with every feature on; paged copies gathered where ``gathers(D, D_v, rows)``
+    says. The last one has every feature on."""
     every = dict(has_left=True, has_right=True, has_sink_tokens=True)
     configs = [VarlenConfig(dtype, d, **flags) for d in (64, 128) for dtype in prefill.DTYPES
                for flags in ({}, every)]
     configs += [VarlenConfig("float16", 128, has_right=True, has_seqused_k=True)]
-    configs += [VarlenConfig("bfloat16", 128, has_right=True, page_rows=rows) for rows in (16, 64)]
+    configs += [VarlenConfig("bfloat16", d, has_right=True, page_rows=rows) for d in (64, 128) for rows in (16, 32, 64)]
     others = [pair for pair in validation.HEAD_DIMS_FROM_STAGE_8 if pair not in validation.HEAD_DIMS_BEFORE_STAGE_8]
     configs += [VarlenConfig(prefill.DTYPES[i % 2], d, head_dim_v=d_v if d_v != d else 0, page_rows=16, **every)
                 for i, (d, d_v) in enumerate(others)]
     configs += [VarlenConfig("bfloat16", 64, has_right=True, has_alibi=True),  # ALiBi: causal, and with everything
                 VarlenConfig("float16", 128, page_rows=64, has_alibi=True, **every)]
-    return configs + [VarlenConfig("float16", 128, page_rows=128, **every)]
+    configs += [VarlenConfig("float16", 128, page_rows=128, **every)]
+    return [replace(c, page_gather=gathers(c.head_dim, c.dv, c.page_rows)) for c in configs]
 
 
 def fake_arguments(config: VarlenConfig) -> tuple:
@@ -155,10 +159,11 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
                                        shape.head_dim, shape.head_dim_v)
     left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, bounds)
     tiles = kernel_class.tiles_for(shape.head_dim, shape.head_dim_v)
+    rows = page_rows(tiles.keys_per_tile(left >= 0), shape.page_size) if paged else 0
     config = VarlenConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                           left >= 0 and num_sink_tokens > 0,
                           shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0,
-                          page_rows=page_rows(tiles.keys_per_tile(left >= 0), shape.page_size) if paged else 0,
+                          page_rows=rows, page_gather=kernel_class.gathers(shape.head_dim, shape.head_dim_v, rows),
                           has_seqused_k=has_seqused_k and not paged, has_alibi=has_alibi)
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
     device = q.device

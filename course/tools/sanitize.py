@@ -183,6 +183,12 @@ def launch_stage(number: int) -> None:
         if number >= 8:  # D = 256: O in Q's bytes; 144 tiles, so some CTAs load a Q where they stored an O
             wide = testing.random_qkv(2, 1100, 300, 8, 2, 256, torch.float16, seed=256)
             module.attention(*wide, causal=True)
+        if hasattr(module, "attention_varlen"):  # ragged batches: packed K/V, and paged (gathered and by TMA)
+            for page_size in (None, 16, 64):
+                inputs = testing.random_varlen_inputs([200, 1, 129], [300, 47, 129], 4, 2, 128, torch.float16,
+                                                      page_size=page_size, seed=page_size or 0)
+                module.attention_varlen(**inputs, causal=True)
+                module.attention_varlen(**inputs, window_size=(100, 10), num_sink_tokens=3, return_lse=True)
         if hasattr(module, "merge_attention_states"):  # stage 6's merge kernel (stage 8 imports it)
             o, lse = module.attention(q, k, v, return_lse=True)
             module.merge_attention_states(o, lse, o, lse)
