@@ -306,6 +306,18 @@ def flat(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(cute.size(t)))
 
 
+# --8<-- [start:zero_filled_copy]
+@cute.jit
+def zero_filled_copy(atom, src: cute.Tensor, dst: cute.Tensor, valid: cutlass.Boolean):
+    """One 16-byte cp.async of ``src`` into ``dst``, or (``valid`` false) one with a source size of 0: it reads
+    nothing and fills ``dst`` with zeros."""
+    one_copy = cute.make_layout(((cute.size(src),), 1), stride=((1,), 0))
+    pred = cute.make_rmem_tensor(cute.make_layout(((cute.size(src),), 1), stride=((0,), 0)), cutlass.Boolean)
+    pred[0] = valid
+    cute.copy(atom, cute.make_tensor(src.iterator, one_copy), cute.make_tensor(dst.iterator, one_copy), pred=pred)
+# --8<-- [end:zero_filled_copy]
+
+
 # --8<-- [start:softmax]
 @cute.jit
 def online_softmax_update(scores: cute.Tensor, acc_o: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
@@ -707,20 +719,14 @@ class TensorCoreDecode:
     @cute.jit
     def copy_or_zeros(self, atom, src: cute.Tensor, dst: cute.Tensor, chunk: Int32, real_chunks: int):
         """The 16-byte piece ``chunk`` of a row of ``real_chunks`` pieces into a row of the computed head dim
-        (COMPUTED_HEAD_DIM): copied if it holds real columns, else zeros. A predicated cp.async is one with
-        a source size of 0 for a false predicate: it reads nothing and fills its 16 bytes with zeros. Q's
+        (COMPUTED_HEAD_DIM): copied if it holds real columns, else zeros (``zero_filled_copy``). Q's
         padded columns are zeros too, so they add 0 to every score, and V's to no column of O that is
         stored, where stale shared memory could hold a NaN (0 x NaN = NaN). (A branch around the copy
         instead took ptxas past its registers at D = 192.)"""
         if cutlass.const_expr(real_chunks * cute.size(src) == self.head_dim):
             cute.copy(atom, src, dst)  # a row with no padding
         else:
-            elems = cute.size(src)
-            one_copy = cute.make_layout(((elems,), 1), stride=((1,), 0))
-            pred = cute.make_rmem_tensor(cute.make_layout(((elems,), 1), stride=((0,), 0)), cutlass.Boolean)
-            pred[0] = chunk < real_chunks
-            cute.copy(atom, cute.make_tensor(src.iterator, one_copy), cute.make_tensor(dst.iterator, one_copy),
-                      pred=pred)
+            zero_filled_copy(atom, src, dst, chunk < real_chunks)
     # --8<-- [end:copy_or_zeros]
 
     # --8<-- [start:ring_barrier]

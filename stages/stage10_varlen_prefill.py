@@ -83,6 +83,7 @@ from solutions.stage08_fa3_prefill import (  # noqa: F401 (stage 8's kernel, sol
     store_lse,
     store_o_rows,
 )
+from solutions.stage09_tc_decode import zero_filled_copy  # a row piece past S_k: zeros
 
 STAGE = 10
 
@@ -302,19 +303,11 @@ def gather_paged_tile(pipe, state, mX: cute.Tensor, sX: cute.Tensor, n_block: cu
         for k in cutlass.range_constexpr((pieces_per_row + 7) // 8):
             col = first_piece + 8 * k
             if cutlass.const_expr(pieces_per_row % 8 == 0) or col < pieces_per_row:
-                copy_or_zeros(atom, cute.local_tile(src, (piece,), (col,)),
-                              cute.local_tile(sX[row, None, state.index], (piece,), (col,)),
-                              n_block * tile_n + row < seqlen_k)
+                zero_filled_copy(atom, cute.local_tile(src, (piece,), (col,)),
+                                 cute.local_tile(sX[row, None, state.index], (piece,), (col,)),
+                                 n_block * tile_n + row < seqlen_k)
     pipe.producer_commit(state)
 
-
-@cute.jit
-def copy_or_zeros(atom, src: cute.Tensor, dst: cute.Tensor, valid: cutlass.Boolean):
-    """One 16-byte cp.async, or (``valid`` false) none that fills ``dst`` with zeros: a source size of 0."""
-    one_copy = cute.make_layout(((cute.size(src),), 1), stride=((1,), 0))
-    pred = cute.make_rmem_tensor(cute.make_layout(((cute.size(src),), 1), stride=((0,), 0)), cutlass.Boolean)
-    pred[0] = valid
-    cute.copy(atom, cute.make_tensor(src.iterator, one_copy), cute.make_tensor(dst.iterator, one_copy), pred=pred)
 # --8<-- [end:gather]
 
 

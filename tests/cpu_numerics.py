@@ -1177,6 +1177,49 @@ def check_load_tile(module) -> None:
                             f"load_tile(KV tile {n_block}, {state})")
 
 
+class _BlockTableRow:
+    """One sequence's row of a shuffled block table over ``num_pages`` pages: its first ``used`` entries, then
+    garbage; reading an entry past them raises (in a cache they may be anything). ``who()`` names the reader."""
+
+    def __init__(self, page_size: int, seqlen_k: int, num_pages: int, seed: int, who, past_the_end: str = ""):
+        import random
+
+        self.page_size, self.seqlen_k, self.who, self.past_the_end = page_size, seqlen_k, who, past_the_end
+        self.used = -(-seqlen_k // page_size)
+        self.table = random.Random(seed).sample(range(num_pages), self.used) + [10**6 + i for i in range(3)]
+
+    def __getitem__(self, index):
+        index = int(index)
+        if index >= self.used:
+            raise AssertionError(f"{self.who()} reads block-table entry {index}, past the sequence's {self.used} "
+                                 f"pages (keys {index * self.page_size} on, at or past seqlen_k = {self.seqlen_k}): "
+                                 f"those entries may be anything{self.past_the_end}")
+        return self.table[index]
+
+
+class _WarpShuffles:
+    """``shuffle_sync`` for ``threads`` Python threads, ``tid()`` each, exchanging values within each warp of 32."""
+
+    def __init__(self, threads: int, tid):
+        import threading
+
+        self.tid, self.shared = tid, [0] * threads
+        self.barriers = [threading.Barrier(WARP, timeout=10) for _ in range(threads // WARP)]
+
+    def shuffle_sync(self, value, lane, **_):
+        me = self.tid()
+        barrier = self.barriers[me // WARP]
+        self.shared[me] = int(value)
+        barrier.wait()
+        result = self.shared[me // WARP * WARP + int(lane)]
+        barrier.wait()
+        return result
+
+    def abort(self):
+        for barrier in self.barriers:
+            barrier.abort()
+
+
 def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 128, num_pages: int = 40,
                           seed: int = 0) -> None:
     """Your load_paged_tile run by 32 threads, one per lane, with a recording pipeline and TMA copy and
@@ -1185,50 +1228,33 @@ def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 1
     the tile's rows in order from the right page (page ``num_pages``, outside the pool, past ``seqlen_k``),
     after one producer_acquire, completing on the buffer's full barrier; no block-table entry at or past
     the sequence's pages is read."""
-    import random
     import threading
     from types import SimpleNamespace
 
     from course.runtime import varlen
 
     page_rows = varlen.page_rows(tile_n, page_size)
-    used = -(-seqlen_k // page_size)
-    table = random.Random(seed).sample(range(num_pages), used) + [10**6 + i for i in range(3)]  # then garbage
     lane_of = threading.local()
+    pages = _BlockTableRow(page_size, seqlen_k, num_pages, seed, lambda: f"lane {lane_of.lane}",
+                           ". A copy past seqlen_k reads page num_pages")
+    table = pages.table
     logs = [[] for _ in range(WARP)]
-    shared, barrier = [0] * WARP, threading.Barrier(WARP, timeout=10)
+    warp = _WarpShuffles(WARP, lambda: lane_of.lane)
     errors: list = []
-
-    class BlockTableRow:
-        def __getitem__(self, index):
-            index = int(index)
-            if index >= used:
-                raise AssertionError(f"lane {lane_of.lane} reads block-table entry {index}, past the sequence's "
-                                     f"{used} pages (keys {index * page_size} on, at or past seqlen_k = {seqlen_k}): "
-                                     "those entries may be anything. A copy past seqlen_k reads page num_pages")
-            return table[index]
-
-    def shuffle_sync(value, lane, **_):
-        shared[lane_of.lane] = int(value)
-        barrier.wait()
-        result = shared[int(lane)]
-        barrier.wait()
-        return result
-
-    arch = SimpleNamespace(lane_idx=lambda: lane_of.lane, shuffle_sync=shuffle_sync)
+    arch = SimpleNamespace(lane_idx=lambda: lane_of.lane, shuffle_sync=warp.shuffle_sync)
     copy = lambda _atom, src, dst, tma_bar_ptr=None: logs[lane_of.lane].append(("copy", src, dst, tma_bar_ptr))  # noqa: E731
     load_paged_tile = _as_python(module, "load_paged_tile", _dsl_stand_ins(copy, arch))
     def lane(number, state, n_block, where):
         lane_of.lane = number
         try:
             load_paged_tile(_RecordingPipe(logs[number]), state, None, _Tiles("pool"), _Tiles("ring buffer"), n_block,
-                            seqlen_k, page_size, BlockTableRow(), num_pages, tile_n, page_rows)
+                            seqlen_k, page_size, pages, num_pages, tile_n, page_rows)
         except threading.BrokenBarrierError:
             errors.append(f"{where}: the lanes did not all reach the same shuffle_sync: every lane must run each "
                           "shuffle (a shuffle inside a branch that some lanes skip hangs the warp)")
         except Exception as failure:  # noqa: BLE001 (raised below, in the test's thread)
             errors.append(failure)
-            barrier.abort()
+            warp.abort()
 
     for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):
         state = _Ring(count)
@@ -1273,7 +1299,6 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
     exactly once, from the key's page and row (or, at and past ``seqlen_k``, filled with zeros), between
     each thread's one producer_acquire and its one producer_commit; no block-table entry past the
     sequence's pages is read."""
-    import random
     import threading
     from types import SimpleNamespace
 
@@ -1281,29 +1306,11 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
 
     threads = module.GATHER_THREADS
     page_rows = varlen.page_rows(tile_n, page_size)
-    used = -(-seqlen_k // page_size)
-    table = random.Random(seed).sample(range(num_pages), used) + [10**6 + i for i in range(3)]  # then garbage
     me = threading.local()
-    shared = [0] * threads
-    barriers = [threading.Barrier(WARP, timeout=10) for _ in range(threads // WARP)]
+    pages = _BlockTableRow(page_size, seqlen_k, num_pages, seed, lambda: f"thread {me.tid}")
+    table = pages.table
+    warps = _WarpShuffles(threads, lambda: me.tid)
     errors: list = []
-
-    class BlockTableRow:
-        def __getitem__(self, index):
-            index = int(index)
-            if index >= used:
-                raise AssertionError(f"thread {me.tid} reads block-table entry {index}, past the sequence's {used} "
-                                     f"pages (keys {index * page_size} on, at or past seqlen_k = {seqlen_k}): those "
-                                     "entries may be anything")
-            return table[index]
-
-    def shuffle_sync(value, lane, **_):
-        warp, barrier = me.tid // WARP, barriers[me.tid // WARP]
-        shared[me.tid] = int(value)
-        barrier.wait()
-        result = shared[warp * WARP + int(lane)]
-        barrier.wait()
-        return result
 
     class Rows:  # mX (page_size, D, pages) or the ring (tile_n, D, stages): [row, None, page or buffer] -> a row
         def __init__(self, name):
@@ -1320,16 +1327,16 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
 
     log: dict = {}
 
-    def copy_or_zeros(_atom, src, dst, valid):
+    def zero_filled_copy(_atom, src, dst, valid):
         log[me.tid].append(("copy", src, dst, bool(valid)))
 
     arch = SimpleNamespace(thread_idx=lambda: (me.tid, 0, 0), lane_idx=lambda: me.tid % WARP,
-                           shuffle_sync=shuffle_sync)
+                           shuffle_sync=warps.shuffle_sync)
     cute = SimpleNamespace(arch=arch, size=lambda t, mode: head_dim, local_tile=local_tile,
                            make_copy_atom=lambda *a, **k: None)
     cpasync = SimpleNamespace(CopyG2SOp=lambda **_: None, LoadCacheMode=SimpleNamespace(GLOBAL=None))
     stand_ins = _dsl_stand_ins(None, arch)
-    stand_ins.update(cute=cute, cpasync=cpasync, copy_or_zeros=copy_or_zeros)
+    stand_ins.update(cute=cute, cpasync=cpasync, zero_filled_copy=zero_filled_copy)
     gather = _as_python(module, "gather_paged_tile", stand_ins)
 
     def thread(tid, state, n_block, where):
@@ -1337,14 +1344,13 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
         log[tid] = []
         try:
             gather(_RecordingPipe(log[tid]), state, Rows("pool"), Rows("ring buffer"), n_block, seqlen_k, page_size,
-                   BlockTableRow(), tile_n, page_rows)
+                   pages, tile_n, page_rows)
         except threading.BrokenBarrierError:
             errors.append(f"{where}: the lanes of a warp did not all reach the same shuffle_sync: every lane must run "
                           "each shuffle (a shuffle inside a branch that some lanes skip hangs the warp)")
         except Exception as failure:  # noqa: BLE001 (raised below, in the test's thread)
             errors.append(failure)
-            for barrier in barriers:
-                barrier.abort()
+            warps.abort()
 
     piece = 128 // 16
     for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):

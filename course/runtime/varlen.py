@@ -38,7 +38,8 @@ class VarlenConfig(KernelConfig):
 
     @property
     def name(self) -> str:
-        """stage 8's name, then ``_p16`` (paged, 16 rows per copy) or ``_u`` (seqused_k), and ``_alibi``."""
+        """stage 8's name, then ``_p16`` (paged, 16 rows per copy; ``_p16g`` gathered) or ``_u`` (seqused_k), and
+        ``_alibi``."""
         kv = f"_p{self.page_rows}" if self.page_rows else ("_u" if self.has_seqused_k else "")
         kv += "g" if self.page_gather else ""
         return super().name + kv + ("_alibi" if self.has_alibi else "")

@@ -262,6 +262,19 @@ def run_sections(out_dir: Path, json_name: str, sections: dict, only: str | None
     return results
 
 
+def run_stage_sections(out_dir: Path, json_name: str, sections: dict, write_tables, only: str | None = None) -> dict:
+    """``run_sections`` of ``sections`` ({name: (stage number, fn(the stage's solution module) -> rows)}), then
+    the tables from the results (``write_tables(results, out_dir)``)."""
+    from course.runtime import stages
+
+    out_dir = Path(out_dir)
+    bound = {name: (lambda number=number, fn=fn: fn(stages.get(number).load("solutions")))
+             for name, (number, fn) in sections.items()}
+    results = run_sections(out_dir, json_name, bound, only)
+    write_tables(results, out_dir)
+    return results
+
+
 def sections_command(argv, description: str, json_name: str, sections: dict, run, write_tables) -> None:
     """The command line of a tool that times named sections into one results file (``run(out_dir, only)``)
     and writes its tables from it (``write_tables(results, out_dir)``): --out, --render (the tables from

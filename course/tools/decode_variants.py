@@ -195,14 +195,8 @@ def write_tables(results: dict, out_dir: Path) -> None:
 
 def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
     """Every section, or (``only``) one section timed again into the existing decode-variants.json."""
-    from course.runtime import stages
-
-    out_dir = Path(out_dir)
-    sections = {name: lambda section=section: section(stages.get(9).load("solutions"))
-                for name, section in SECTIONS.items()}
-    results = bench.run_sections(out_dir, "decode-variants.json", sections, only)
-    write_tables(results, out_dir)
-    return results
+    return bench.run_stage_sections(out_dir, "decode-variants.json", {name: (9, fn) for name, fn in SECTIONS.items()},
+                                    write_tables, only)
 
 
 def main(argv=None) -> None:

@@ -89,13 +89,7 @@ SECTIONS = {"paged copies": timed_rows}
 
 
 def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
-    from course.runtime import stages
-
-    stage = stages.get(10).load("solutions")
-    results = bench.run_sections(Path(out_dir), JSON, {name: partial(fn, stage) for name, fn in SECTIONS.items()},
-                                 only)
-    write_tables(results, Path(out_dir))
-    return results
+    return bench.run_stage_sections(out_dir, JSON, {name: (10, fn) for name, fn in SECTIONS.items()}, write_tables, only)
 
 
 def main(argv=None) -> None:

@@ -271,14 +271,7 @@ SECTIONS = {"append": (9, bench_append), "quantized": (9, bench_quantized), "rol
 
 def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
     """Every section, or (``only``) one section timed again into the existing serving.json."""
-    from course.runtime import stages
-
-    out_dir = Path(out_dir)
-    sections = {name: lambda stage=stage, section=section: section(stages.get(stage).load("solutions"))
-                for name, (stage, section) in SECTIONS.items()}
-    results = bench.run_sections(out_dir, "serving.json", sections, only)
-    write_tables(results, out_dir)
-    return results
+    return bench.run_stage_sections(out_dir, "serving.json", SECTIONS, write_tables, only)
 
 
 def main(argv=None) -> None:

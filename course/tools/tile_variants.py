@@ -132,13 +132,7 @@ SECTIONS = {section: partial(timed_rows, section=section) for section in VARIANT
 
 
 def run(out_dir: Path = DEFAULT_OUT, only: str | None = None) -> dict:
-    from course.runtime import stages
-
-    stage = stages.get(8).load("solutions")
-    results = bench.run_sections(Path(out_dir), JSON, {name: partial(fn, stage) for name, fn in SECTIONS.items()},
-                                 only)
-    write_tables(results, Path(out_dir))
-    return results
+    return bench.run_stage_sections(out_dir, JSON, {name: (8, fn) for name, fn in SECTIONS.items()}, write_tables, only)
 
 
 def main(argv=None) -> None:
