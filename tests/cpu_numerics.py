@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import re
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import cutlass
@@ -1215,9 +1216,33 @@ class _WarpShuffles:
         barrier.wait()
         return result
 
-    def abort(self):
-        for barrier in self.barriers:
-            barrier.abort()
+    def run(self, body, where: str) -> None:
+        """``body(tid)`` in each of the threads at once; then the first failure, raised in the caller's thread
+        (an exception before a warp that never met at a shuffle)."""
+        import threading
+
+        errors, stuck = [], []
+
+        def thread(tid):
+            try:
+                body(tid)
+            except threading.BrokenBarrierError:
+                stuck.append(f"{where}: the lanes of a warp did not all reach the same shuffle_sync: every lane must "
+                             "run each shuffle (a shuffle inside a branch that some lanes skip hangs the warp)")
+            except Exception as failure:  # noqa: BLE001 (raised below, in the caller's thread)
+                errors.append(failure)
+                for barrier in self.barriers:
+                    barrier.abort()
+
+        workers = [threading.Thread(target=thread, args=(tid,)) for tid in range(len(self.shared))]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        if errors:
+            raise errors[0]
+        if stuck:
+            raise AssertionError(stuck[0])
 
 
 def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 128, num_pages: int = 40,
@@ -1240,37 +1265,20 @@ def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 1
     table = pages.table
     logs = [[] for _ in range(WARP)]
     warp = _WarpShuffles(WARP, lambda: lane_of.lane)
-    errors: list = []
     arch = SimpleNamespace(lane_idx=lambda: lane_of.lane, shuffle_sync=warp.shuffle_sync)
     copy = lambda _atom, src, dst, tma_bar_ptr=None: logs[lane_of.lane].append(("copy", src, dst, tma_bar_ptr))  # noqa: E731
     load_paged_tile = _as_python(module, "load_paged_tile", _dsl_stand_ins(copy, arch))
-    def lane(number, state, n_block, where):
+    def lane(number, state, n_block):
         lane_of.lane = number
-        try:
-            load_paged_tile(_RecordingPipe(logs[number]), state, None, _Tiles("pool"), _Tiles("ring buffer"), n_block,
-                            seqlen_k, page_size, pages, num_pages, tile_n, page_rows)
-        except threading.BrokenBarrierError:
-            errors.append(f"{where}: the lanes did not all reach the same shuffle_sync: every lane must run each "
-                          "shuffle (a shuffle inside a branch that some lanes skip hangs the warp)")
-        except Exception as failure:  # noqa: BLE001 (raised below, in the test's thread)
-            errors.append(failure)
-            warp.abort()
+        load_paged_tile(_RecordingPipe(logs[number]), state, None, _Tiles("pool"), _Tiles("ring buffer"), n_block,
+                        seqlen_k, page_size, pages, num_pages, tile_n, page_rows)
 
     for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):
         state = _Ring(count)
         where = f"load_paged_tile(KV tile {n_block}, {state}), seqlen_k {seqlen_k}, pages of {page_size} rows"
         for log in logs:
             log.clear()
-        threads = [threading.Thread(target=lane, args=(n, state, n_block, where)) for n in range(WARP)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            failure = next((e for e in errors if isinstance(e, BaseException)), errors[0])
-            if isinstance(failure, BaseException):
-                raise failure
-            raise AssertionError(failure)
+        warp.run(partial(lane, state=state, n_block=n_block), where)
         if any(log != logs[0] for log in logs):
             first = next(n for n, log in enumerate(logs) if log != logs[0])
             raise AssertionError(f"{where}: lane {first} issues other copies than lane 0: a TMA copy is issued once "
@@ -1310,7 +1318,6 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
     pages = _BlockTableRow(page_size, seqlen_k, num_pages, seed, lambda: f"thread {me.tid}")
     table = pages.table
     warps = _WarpShuffles(threads, lambda: me.tid)
-    errors: list = []
 
     class Rows:  # mX (page_size, D, pages) or the ring (tile_n, D, stages): [row, None, page or buffer] -> a row
         def __init__(self, name):
@@ -1339,32 +1346,18 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
     stand_ins.update(cute=cute, cpasync=cpasync, zero_filled_copy=zero_filled_copy)
     gather = _as_python(module, "gather_paged_tile", stand_ins)
 
-    def thread(tid, state, n_block, where):
+    def thread(tid, state, n_block):
         me.tid = tid
         log[tid] = []
-        try:
-            gather(_RecordingPipe(log[tid]), state, Rows("pool"), Rows("ring buffer"), n_block, seqlen_k, page_size,
-                   pages, tile_n, page_rows)
-        except threading.BrokenBarrierError:
-            errors.append(f"{where}: the lanes of a warp did not all reach the same shuffle_sync: every lane must run "
-                          "each shuffle (a shuffle inside a branch that some lanes skip hangs the warp)")
-        except Exception as failure:  # noqa: BLE001 (raised below, in the test's thread)
-            errors.append(failure)
-            warps.abort()
+        gather(_RecordingPipe(log[tid]), state, Rows("pool"), Rows("ring buffer"), n_block, seqlen_k, page_size, pages,
+               tile_n, page_rows)
 
     piece = 128 // 16
     for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):
         state = _Ring(count)
         where = (f"gather_paged_tile(KV tile {n_block}, {state}), seqlen_k {seqlen_k}, pages of {page_size} rows, "
                  f"D = {head_dim}")
-        workers = [threading.Thread(target=thread, args=(t, state, n_block, where)) for t in range(threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        if errors:
-            failure = next((e for e in errors if isinstance(e, BaseException)), errors[0])
-            raise failure if isinstance(failure, BaseException) else AssertionError(failure)
+        warps.run(partial(thread, state=state, n_block=n_block), where)
         written = {}
         for tid, events in log.items():
             kinds = [event[0] for event in events]

@@ -42,7 +42,7 @@ def timed_rows(stage) -> list[dict]:
     """A row per (head dim, page size): {kernel: ms}, both copies, FA4 and the packed batch in the same rounds."""
     from course.runtime import varlen
 
-    rows = []
+    rows, fa4 = [], bench.fa4_varlen()
     for head_dim in HEAD_DIMS:
         packed = bench.ragged_inputs(shape(head_dim, 0))
         for page_size in PAGE_SIZES:
@@ -51,7 +51,6 @@ def timed_rows(stage) -> list[dict]:
             calls = {name: partial(varlen.attention_varlen, 10, forced(stage, gather), **inputs, causal=True)
                      for name, gather in COPIES.items()}
             calls["packed"] = partial(stage.attention_varlen, **packed, causal=True)
-            fa4 = bench.fa4_varlen()
             if fa4 is not None:
                 calls["FA4"] = partial(fa4, **inputs, causal=True)
             times = bench.time_in_rounds(bench.runnable(calls, paged_shape.label), repeats=30)
