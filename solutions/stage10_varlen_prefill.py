@@ -289,50 +289,79 @@ class PipelineGather(pipeline.PipelineTmaAsync):
 GATHER_THREADS = 128  # the producer warpgroup: every warp of it copies
 # Rows per paged copy up to which the producer warpgroup gathers a KV tile instead of issuing TMA copies, by
 # MMA warpgroups; chosen by measurement (the page's "Small pages").
-GATHER_PAGE_ROWS = {2: 16, 3: 32}
-# setmaxnreg with the gather: the producer threads hold a row's addresses and the unrolled copy loop's counters.
-# Two MMA warpgroups keep stage 8's split (24 fit the loop; 8 more would cost each MMA thread 8); three leave 8
-# registers per producer thread unallocated in stage 8 (24 x 128 + 160 x 384 < 64K), which the gather takes.
+GATHER_PAGE_ROWS = {2: 32, 3: 64}
+# setmaxnreg with the gather: the producer threads hold a looked-up row address and the unrolled copy loop's.
+# Two MMA warpgroups keep stage 8's split (24 hold the loop; 8 more would cost each MMA thread 8); with three,
+# 24 spill, and stage 8 leaves 8 registers per producer thread unallocated (24 x 128 + 160 x 384 < 64K): the
+# gather takes them.
 GATHER_REGISTERS = {2: (24, 240), 3: (32, 160)}  # (producer, MMA)
 
 
 @cute.jit
-def gather_paged_tile(pipe, state, mX: cute.Tensor, sX: cute.Tensor, n_block: cutlass.Int32,
+def row_address(mX: cute.Tensor, row: cutlass.Int32, page: cutlass.Int32) -> cutlass.Int64:
+    """The global address of ``mX[row, 0, page]``: a row of a page of the pool."""
+    return mX[row, None, page].iterator.toint()
+
+
+@cute.jit
+def swizzled_address(sX: cute.Tensor, swizzle: cute.Swizzle, coord) -> cutlass.Int32:
+    """The shared-memory address of ``sX[coord]`` as the hardware sees it: ``swizzle`` (Sw<B, M, S> on the
+    byte address, as TMA and WGMMA read the buffer) applied to the element's position in the layout."""
+    bytes_per_element = sX.element_type.width // 8
+    # (the buffer starts at a multiple of the swizzle's period, so its own address is unchanged by it)
+    address = cute.recast_ptr(sX.iterator, dtype=sX.element_type).toint() + \
+        cute.crd2idx(coord, sX.layout) * bytes_per_element
+    mask = ((1 << swizzle.num_bits) - 1) << swizzle.num_base
+    return address ^ ((address >> swizzle.num_shift) & mask)
+
+
+@cute.jit
+def gather_paged_tile(pipe, state, mX: cute.Tensor, sX: cute.Tensor, swizzle: cute.Swizzle, n_block: cutlass.Int32,
                       seqlen_k: cutlass.Int32, page_size: cutlass.Int32, pages: cute.Tensor,
-                      tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr):
+                      tile_n: cutlass.Constexpr):
     """Producer step of a paged cache with small pages: KV tile ``n_block`` gathered with 16-byte ``cp.async``
     copies by the producer warpgroup's 128 threads (each calls it), instead of one TMA copy per
     ``page_rows`` rows issued by one thread. Rows at or past ``seqlen_k`` are filled with zeros.
 
-    ``mX``: (page_size, D, pages) of this KV head; ``sX``: (tile_n, D, KV_STAGES), the ring as rows;
-    ``pages``: this sequence's row of the block table.
+    ``mX``: (page_size, D, pages) of this KV head; ``sX``: (tile_n, D, KV_STAGES), the ring as rows, whose
+    pointer carries ``swizzle``; ``pages``: this sequence's row of the block table.
     """
     d = cute.size(sX, mode=[1])
-    piece = 128 // sX.element_type.width  # elements per 16-byte copy
+    dtype = sX.element_type
+    element_bytes = dtype.width // 8
+    piece = 16 // element_bytes  # elements per 16-byte copy
     pieces_per_row = d // piece
     tidx = cute.arch.thread_idx()[0] % GATHER_THREADS
-    # 16 rows at a time, 8 threads to a row, each copying every 8th piece of it: page_rows is a multiple
-    # of 16, so the 16 rows of a pass are in one page.
+    # 16 rows per pass, 8 threads to a row (8 consecutive lanes), each copying every 8th piece of it.
     rows_per_pass = GATHER_THREADS // 8
+    passes = tile_n // rows_per_pass
+    assert passes <= 8, "a thread looks up one row: one per pass for the 8 threads of its row"
     row_in_pass, first_piece = tidx // 8, tidx % 8
-    # As in load_paged_tile: lane c of each warp looks up copy c's page and where in it the copy starts.
-    key = n_block * tile_n + cute.arch.lane_idx() * page_rows
-    lane_page, lane_row = cutlass.Int32(0), cutlass.Int32(0)
-    if key < seqlen_k:
-        lane_page, lane_row = pages[key // page_size], key % page_size
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), sX.element_type,
+    # Each thread looks up one row's address, before the wait: the row its 8 threads copy in pass first_piece.
+    lookup_key = n_block * tile_n + first_piece * rows_per_pass + row_in_pass
+    looked_up = row_address(mX, 0, 0)  # (rows past seqlen_k read nothing: any address of the pool)
+    if lookup_key < seqlen_k:
+        looked_up = row_address(mX, lookup_key % page_size, pages[lookup_key // page_size])
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=128)
     pipe.producer_acquire(state)
-    for p in cutlass.range(tile_n // rows_per_pass, unroll_full=True):  # (one pass's latency hides the next's)
-        row = p * rows_per_pass + row_in_pass  # in the tile
-        c = row // page_rows  # the same copy (page) for the whole pass
-        src = mX[cute.arch.shuffle_sync(lane_row, c) + row % page_rows, None, cute.arch.shuffle_sync(lane_page, c)]
+    # This thread's pieces are 16 rows or 8 pieces apart in the buffer: whole periods of the swizzle (which
+    # permutes the 16-byte pieces of each 2^(B+M+S) bytes), so their addresses are its first one's plus constants.
+    first = swizzled_address(sX, swizzle, (row_in_pass, first_piece * piece, state.index))
+    period = 1 << (swizzle.num_bits + swizzle.num_base + swizzle.num_shift)
+    for p in cutlass.range_constexpr(passes):
+        # Pass p's row, from the lane of this row's group that looked it up (lanes in groups of 8).
+        row = cute.arch.shuffle_sync(looked_up, p, mask_and_clamp=(24 << 8) | 31)
+        key = n_block * tile_n + p * rows_per_pass + row_in_pass
         for k in cutlass.range_constexpr((pieces_per_row + 7) // 8):
             col = first_piece + 8 * k
             if cutlass.const_expr(pieces_per_row % 8 == 0) or col < pieces_per_row:
-                zero_filled_copy(atom, cute.local_tile(src, (piece,), (col,)),
-                                 cute.local_tile(sX[row, None, state.index], (piece,), (col,)),
-                                 n_block * tile_n + row < seqlen_k)
+                offset = cute.crd2idx((p * rows_per_pass, 8 * k * piece, 0), sX.layout) * element_bytes
+                assert offset % period == 0, f"pieces {offset} bytes apart are not whole swizzle periods"
+                src = cute.make_ptr(dtype, row + col * 16, cute.AddressSpace.gmem, assumed_align=16)
+                dst = cute.make_ptr(dtype, first + offset, cute.AddressSpace.smem, assumed_align=16)
+                zero_filled_copy(atom, cute.make_tensor(src, cute.make_layout(piece)),
+                                 cute.make_tensor(dst, cute.make_layout(piece)), key < seqlen_k)
     pipe.producer_commit(state)
 
 # --8<-- [end:gather]
@@ -342,10 +371,11 @@ def gather_paged_tile(pipe, state, mX: cute.Tensor, sX: cute.Tensor, n_block: cu
 def load_kv_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n_block: cutlass.Int32,
                  paging, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr, gather: cutlass.Constexpr):
     """KV tile ``n_block``: stage 8's one TMA copy from packed rows, ``load_paged_tile`` (page_rows > 0), or
-    ``gather_paged_tile`` (``gather``: ``tXgX`` the head's pool, ``tXsX`` the ring as rows)."""
+    ``gather_paged_tile`` (``gather``: ``tXgX`` the head's pool, ``tXsX`` the ring as rows and its swizzle)."""
     if cutlass.const_expr(gather):
         seqlen_k, page_size, pages, _ = paging
-        gather_paged_tile(pipe, state, tXgX, tXsX, n_block, seqlen_k, page_size, pages, tile_n, page_rows)
+        ring, swizzle = tXsX
+        gather_paged_tile(pipe, state, tXgX, ring, swizzle, n_block, seqlen_k, page_size, pages, tile_n)
     elif cutlass.const_expr(page_rows > 0):
         seqlen_k, page_size, pages, num_pages = paging
         load_paged_tile(pipe, state, tma_atom, tXgX, tXsX, n_block, seqlen_k, page_size, pages, num_pages, tile_n,
@@ -490,6 +520,8 @@ class VarlenAttention(Attention):
         qk_mma, pv_mma, pv_mma_wg = self.tiled_mmas()
         sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
         self.define_shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
+        # (B, M, S) of the K and V rings' swizzles, for the gather's addresses
+        self.ring_swizzles = [(s.num_bits, s.num_base, s.num_shift) for s in (sK_layout.inner, sV_layout.inner)]
         one_stage = (None, None, 0)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
@@ -611,7 +643,10 @@ class VarlenAttention(Attention):
         loads_q = True  # the producer warp; with the gather, warp 0 of the four
         if cutlass.const_expr(self.gather):
             loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
-            sV = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2]))  # (tile_n, D_v, KV_STAGES)
+            # The rings as rows, (tile_n, D, KV_STAGES), with the swizzles their pointers carry
+            sK = sK, cute.make_swizzle(*self.ring_swizzles[0])
+            sV = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2])), \
+                cute.make_swizzle(*self.ring_swizzles[1])
         elif cutlass.const_expr(paged):
             # The ring as copies: (TMA, tile_n // rows, KV_STAGES); each copy is `rows` rows of a tile.
             sK = cute.group_modes(cute.flat_divide(sK, (rows, d))[None, None, None, 0, None], 0, 2)

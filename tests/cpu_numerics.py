@@ -1207,12 +1207,14 @@ class _WarpShuffles:
         self.tid, self.shared = tid, [0] * threads
         self.barriers = [threading.Barrier(WARP, timeout=10) for _ in range(threads // WARP)]
 
-    def shuffle_sync(self, value, lane, **_):
+    def shuffle_sync(self, value, lane, mask_and_clamp=WARP - 1, **_):
+        """Lane ``lane`` of the caller's segment (``mask_and_clamp``'s segment mask: 24 << 8 is groups of 8)."""
         me = self.tid()
         barrier = self.barriers[me // WARP]
         self.shared[me] = int(value)
         barrier.wait()
-        result = self.shared[me // WARP * WARP + int(lane)]
+        segment = (mask_and_clamp >> 8) & (WARP - 1)
+        result = self.shared[me // WARP * WARP + ((me % WARP) & segment | int(lane) & ~segment & (WARP - 1))]
         barrier.wait()
         return result
 
@@ -1306,57 +1308,47 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
     pages of ``page_size`` rows (a shuffled block table), every 16-byte piece of the tile's rows is copied
     exactly once, from the key's page and row (or, at and past ``seqlen_k``, filled with zeros), between
     each thread's one producer_acquire and its one producer_commit; no block-table entry past the
-    sequence's pages is read."""
+    sequence's pages is read. Addresses are bytes of a row-major pool (page_size, D, pages) and ring
+    (tile_n, D, stages), unswizzled (the kernel's assert checks that its constant offsets keep the swizzle)."""
     import threading
     from types import SimpleNamespace
 
-    from course.runtime import varlen
-
     threads = module.GATHER_THREADS
-    page_rows = varlen.page_rows(tile_n, page_size)
     me = threading.local()
     pages = _BlockTableRow(page_size, seqlen_k, num_pages, seed, lambda: f"thread {me.tid}")
     table = pages.table
     warps = _WarpShuffles(threads, lambda: me.tid)
-
-    class Rows:  # mX (page_size, D, pages) or the ring (tile_n, D, stages): [row, None, page or buffer] -> a row
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, key):
-            row, _, last = key
-            return (self.name, int(row), int(last))
-
-        element_type = SimpleNamespace(width=16)
-
-    def local_tile(row, tile, coord):
-        return (*row, int(coord[0]) * tile[0])  # (name, row, page or buffer, first column)
-
+    row_bytes = head_dim * 2
+    page_bytes, tile_bytes = page_size * row_bytes, tile_n * row_bytes
     log: dict = {}
 
     def zero_filled_copy(_atom, src, dst, valid):
         log[me.tid].append(("copy", src, dst, bool(valid)))
 
+    ring = SimpleNamespace(element_type=SimpleNamespace(width=16), layout="ring")
     arch = SimpleNamespace(thread_idx=lambda: (me.tid, 0, 0), lane_idx=lambda: me.tid % WARP,
                            shuffle_sync=warps.shuffle_sync)
-    cute = SimpleNamespace(arch=arch, size=lambda t, mode: head_dim, local_tile=local_tile,
-                           make_copy_atom=lambda *a, **k: None)
+    cute = SimpleNamespace(arch=arch, size=lambda t, mode: head_dim, make_copy_atom=lambda *a, **k: None,
+                           crd2idx=lambda coord, layout: coord[0] * head_dim + coord[1] + coord[2] * tile_n * head_dim,
+                           make_ptr=lambda dtype, value, space, **_: (space, value), make_tensor=lambda ptr, _: ptr,
+                           make_layout=lambda *_: None, AddressSpace=SimpleNamespace(gmem="pool", smem="ring buffer"))
     cpasync = SimpleNamespace(CopyG2SOp=lambda **_: None, LoadCacheMode=SimpleNamespace(GLOBAL=None))
     stand_ins = _dsl_stand_ins(None, arch)
-    stand_ins.update(cute=cute, cpasync=cpasync, zero_filled_copy=zero_filled_copy)
+    stand_ins.update(cute=cute, cpasync=cpasync, zero_filled_copy=zero_filled_copy,
+                     row_address=lambda _pool, row, page: int(page) * page_bytes + int(row) * row_bytes,
+                     swizzled_address=lambda _ring, _swizzle, coord: cute.crd2idx(coord, ring.layout) * 2)
     gather = _as_python(module, "gather_paged_tile", stand_ins)
+    no_swizzle = SimpleNamespace(num_bits=0, num_base=4, num_shift=3)
 
     def thread(tid, state, n_block):
         me.tid = tid
         log[tid] = []
-        gather(_RecordingPipe(log[tid]), state, Rows("pool"), Rows("ring buffer"), n_block, seqlen_k, page_size, pages,
-               tile_n, page_rows)
+        gather(_RecordingPipe(log[tid]), state, None, ring, no_swizzle, n_block, seqlen_k, page_size, pages, tile_n)
 
-    piece = 128 // 16
     for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):
         state = _Ring(count)
         where = (f"gather_paged_tile(KV tile {n_block}, {state}), seqlen_k {seqlen_k}, pages of {page_size} rows, "
-                 f"D = {head_dim}")
+                 f"D = {head_dim}, tile_n = {tile_n}")
         warps.run(partial(thread, state=state, n_block=n_block), where)
         written = {}
         for tid, events in log.items():
@@ -1367,29 +1359,32 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
                                      f"acquires the buffer of {state} once before its copies and commits once after "
                                      "them (the full barrier counts one arrival per thread)")
             for _, src, dst, valid in (event for event in events if event[0] == "copy"):
-                key = (dst[1], dst[3])
-                if dst[0] != "ring buffer" or dst[2] != state.index:
-                    raise AssertionError(f"{where}: thread {tid} writes {dst}; expected ring buffer {state.index}")
-                if key in written:
-                    raise AssertionError(f"{where}: row {key[0]}, columns {key[1]}.. of the tile written twice "
-                                         f"(threads {written[key][0]} and {tid})")
-                written[key] = (tid, src, valid)
-        expected = {(row, col) for row in range(tile_n) for col in range(0, head_dim, piece)}
+                if src[0] != "pool" or dst[0] != "ring buffer" or dst[1] // tile_bytes != state.index:
+                    raise AssertionError(f"{where}: thread {tid} copies {src} to {dst}; expected pool bytes into "
+                                         f"ring buffer {state.index} (bytes {state.index * tile_bytes}..)")
+                row, col = dst[1] % tile_bytes // row_bytes, dst[1] % row_bytes // 2
+                if (row, col) in written:
+                    raise AssertionError(f"{where}: row {row}, columns {col}.. of the tile written twice "
+                                         f"(threads {written[row, col][0]} and {tid})")
+                written[row, col] = (tid, src[1], valid)
+        expected = {(row, col) for row in range(tile_n) for col in range(0, head_dim, 8)}
         if set(written) != expected:
             missing = sorted(expected - set(written))[:3]
             raise AssertionError(f"{where}: {len(expected - set(written))} pieces of the tile are never written "
                                  f"(e.g. (row, first column) {missing}); {len(set(written) - expected)} outside it")
-        for (row, col), (_, src, valid) in written.items():
+        for (row, col), (tid, src, valid) in written.items():
             key = n_block * tile_n + row
             if key >= seqlen_k:
                 if valid:
                     raise AssertionError(f"{where}: row {row} holds key {key}, past seqlen_k: it must be filled with "
                                          "zeros (valid false), not copied")
                 continue
-            want = ("pool", key % page_size, table[key // page_size], col)
-            if not valid or src != want:
-                raise AssertionError(f"{where}: row {row}, columns {col}.. (key {key}) copied from {src} "
-                                     f"(valid {valid}); expected page {want[2]}, row {want[1]}, columns {col}..")
+            got = (src // page_bytes, src % page_bytes // row_bytes, src % row_bytes // 2)
+            want = (table[key // page_size], key % page_size, col)
+            if not valid or got != want:
+                raise AssertionError(f"{where}: row {row}, columns {col}.. (key {key}), thread {tid}: copied from "
+                                     f"page {got[0]}, row {got[1]}, columns {got[2]}.. (valid {valid}); expected "
+                                     f"page {want[0]}, row {want[1]}, columns {col}..")
 
 
 # ---------------------------------------------------------------- stage 11: a KV tile's Q tiles, P and dS

@@ -102,6 +102,17 @@ PLANTED = {
     "paged-copy-before-the-buffer-is-empty": (
         10, "load_paged_tile", [MoveBefore("pipe.producer_acquire", "pipe.producer_commit")],
         lambda m: cpu_numerics.check_load_paged_tile(m, 16, 300)),
+    "gather-row-from-the-whole-warp": (
+        10, "gather_paged_tile", [SetArgument("cute.arch.shuffle_sync", "mask_and_clamp", "31")],
+        lambda m: cpu_numerics.check_gather_paged_tile(m, 16, 300)),
+    "gather-block-table-read-past-the-keys": (10, "gather_paged_tile", [Unwrap()],
+                                              lambda m: cpu_numerics.check_gather_paged_tile(m, 16, 300)),
+    "gather-before-the-buffer-is-empty": (
+        10, "gather_paged_tile", [MoveBefore("pipe.producer_acquire", "pipe.producer_commit")],
+        lambda m: cpu_numerics.check_gather_paged_tile(m, 16, 300)),
+    "gather-copies-the-key-past-the-end": (
+        10, "gather_paged_tile", [SetArgument("zero_filled_copy", 3, "key <= seqlen_k")],
+        lambda m: cpu_numerics.check_gather_paged_tile(m, 32, 200, head_dim=96, tile_n=96)),
     "score-gradient-without-d": (11, "probabilities_and_score_gradients", [DropTerm("dp[r, c]", "d")],
                                  cpu_numerics.check_score_gradients),
     "probabilities-without-the-lse": (11, "probabilities_and_score_gradients", [DropTerm("p[r, c]", "lse")],

@@ -329,7 +329,7 @@ def test_on_cpu_load_paged_tile(stage, page_size, seqlen_k):
 # (page_size, seqlen_k, D, tile_n): 16-row pages at D = 128, 32-row ones at 64, D = 80 and 96 (rows of 10 and 12
 # pieces, not a multiple of the 8 threads per row), a 48-row page under an 80-key tile (copies of 16 rows), D = 256.
 GATHERS = [(16, 300, 128, 128), (32, 40, 64, 128), (16, 129, 80, 80), (48, 170, 80, 80), (32, 200, 96, 96),
-           (16, 100, 256, 80)]
+           (16, 100, 256, 80), (16, 250, 192, 112)]
 
 
 @pytest.mark.parametrize("page_size, seqlen_k, head_dim, tile_n", GATHERS,

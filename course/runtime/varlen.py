@@ -59,7 +59,7 @@ def kernel_configs(stage: int, gathers) -> list[VarlenConfig]:
     configs = [VarlenConfig(dtype, d, **flags) for d in (64, 128) for dtype in prefill.DTYPES
                for flags in ({}, every)]
     configs += [VarlenConfig("float16", 128, has_right=True, has_seqused_k=True)]
-    configs += [VarlenConfig("bfloat16", d, has_right=True, page_rows=rows) for d in (64, 128) for rows in (16, 32, 64)]
+    configs += [VarlenConfig("bfloat16", d, has_right=True, page_rows=rows) for d in (64, 128) for rows in (16, 32, 64, 128)]
     others = [pair for pair in validation.HEAD_DIMS_FROM_STAGE_8 if pair not in validation.HEAD_DIMS_BEFORE_STAGE_8]
     configs += [VarlenConfig(prefill.DTYPES[i % 2], d, head_dim_v=d_v if d_v != d else 0, page_rows=16, **every)
                 for i, (d, d_v) in enumerate(others)]

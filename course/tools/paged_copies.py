@@ -4,7 +4,7 @@
     python -m course.tools.paged_copies --render             # stage10-paged-copies.json -> the table, on any machine
 
 Chunked prefill (4 chunks of 1024 queries after 15k cached keys, GQA 32/8, bf16, causal) at head dims 128
-(two MMA warpgroups) and 64 (three), with pages of 16, 32 and 64 tokens: stage 10 compiled with TMA copies
+(two MMA warpgroups) and 64 (three), with pages of 16 to 128 tokens: stage 10 compiled with TMA copies
 per page and with the producer warpgroup's cp.async gather (``VarlenAttention.gathers`` forced either way),
 next to FlashAttention-4's paged kernel and stage 10 on the same batch packed, in the same rounds. The table
 gives each time in milliseconds, the copy ``GATHER_PAGE_ROWS`` chooses in bold. Never edit the outputs by hand.
@@ -22,7 +22,7 @@ DEFAULT_OUT = bench.DEFAULT_OUT
 JSON = "stage10-paged-copies.json"
 TABLE = "stage10-paged-copies.md"
 HEAD_DIMS = (128, 64)
-PAGE_SIZES = (16, 32, 64)
+PAGE_SIZES = (16, 32, 64, 128)
 COPIES = {"TMA per page": False, "gather": True}
 
 
