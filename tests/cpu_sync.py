@@ -232,7 +232,8 @@ def stand_ins(rec: Recorder) -> dict:
 
 
 def as_python(module, names: tuple[str, ...], overrides: dict) -> dict:
-    """The module's functions ``names`` as plain Python, calling each other and ``overrides`` instead of the DSL.
+    """The module's functions ``names`` as plain Python, calling each other and ``overrides`` instead of the DSL
+    (``"Class.method"`` names a method, which lands in the scope under its own name, ``self`` its first argument).
 
     They are compiled afresh from the module's file, without their decorators: once the DSL has
     traced a ``@cute.jit`` function, the function it keeps is its own rewrite of the source (its
@@ -243,6 +244,8 @@ def as_python(module, names: tuple[str, ...], overrides: dict) -> dict:
     path = inspect.getsourcefile(module)
     tree = ast.parse(Path(path).read_text(), filename=path)
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):  # "Class.method": a function of self
+        functions.update({f"{cls.name}.{node.name}": node for node in cls.body if isinstance(node, ast.FunctionDef)})
     for name in names:
         node = functions[name]
         node.decorator_list = []
@@ -554,3 +557,139 @@ def check_stage8(module, *, overlapped: bool = True, num_wgs: int = 2):
                      for wg in range(num_wgs)}
     for priority in (names, names[::-1]):
         replay(programs, path, scheduler_barriers=scheduler, priority=priority, barrier_names=barrier_names)
+
+
+# ---------------------------------------------------------------- stage 10: the producer's loads per work tile
+
+class _Anything:
+    """Whatever the producer computes that its loads do not depend on (layouts, views, TMA partitions)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self
+
+    def __call__(self, *_, **__):
+        return self
+
+    def __getitem__(self, _):
+        return self
+
+    def __floordiv__(self, _):
+        return self
+
+    __rfloordiv__ = __mul__ = __rmul__ = __add__ = __radd__ = __floordiv__
+
+
+class _ProducerPipeline:
+    def __init__(self, log: list, name: str, line):
+        self.log, self.name, self.line = log, name, line
+
+    def producer_acquire(self, state: State):
+        self.log.append(("acquire", self.name, state.count, self.line()))
+
+    def producer_get_barrier(self, state: State):
+        return ("full barrier", self.name, state.index)
+
+    def producer_tail(self, state: State):
+        self.log.append(("tail", self.name, state.count, self.line()))
+
+
+def check_varlen_producer(module, *, page_rows: int, gather: bool, warp: int = 0,
+                          work: tuple = ((2, 3), (9, 0), (0, 1), (1, 0), (1, 4))) -> None:
+    """Stage 10's producer (``VarlenAttention.load``) as plain Python for a list of work tiles ``(batch, KV
+    tiles)`` (batch 9: past the last sequence, nothing to load), with stand-ins for everything but its loop:
+    each tile's Q once (by warp 0), then K of its KV tiles 0, 1, .. and V one behind (K0 Q K1 V0 K2 V1 ..
+    V(n-1)), every K and V buffer state used once in turn, and the pipelines' tails at the end. A K or V load
+    missing, doubled or out of that order leaves the MMA warps waiting on a buffer that never fills: the kernel
+    hangs on the GPU."""
+    from types import SimpleNamespace
+
+    log: list = []
+    path = inspect.getsourcefile(module)
+    rec = Recorder(path)
+
+    def load_kv_tile(pipe, state, *args):
+        log.append(("load", pipe.name, args[3], state.count, rec.line()))
+
+    def make_pipeline_state(_kind, stages):
+        return State(stages)
+
+    class Mask:
+        def __init__(self, m_block, *_):
+            self.n = tiles[m_block][1]  # (the stand-in scheduler's m_block is the work tile's index)
+
+        def kv_block_range(self):
+            return 0, self.n
+
+        def sink_block_count(self, _lo):
+            return 0
+
+        def kv_block(self, i, _lo, _hi):
+            return ("KV tile", int(i))
+
+    tiles = list(work)
+    scheduler = SimpleNamespace(
+        tile_range=lambda: (0, len(tiles), 1), num_batch=len(tiles),
+        locate=lambda tile, _batch, _start: (tiles[tile][0] if tiles[tile][0] != 9 else len(tiles), 0),
+        coords=lambda rank, _sq, _sk: (rank, 0))
+    anything = _Anything()
+    arch = SimpleNamespace(make_warp_uniform=lambda x: x, warp_idx=lambda: warp)
+    cute = SimpleNamespace(arch=arch, make_layout=anything, make_tensor=anything, select=anything,
+                           make_swizzle=anything, group_modes=anything, flat_divide=anything, local_tile=anything,
+                           domain_offset=anything, copy=anything)
+    cutlass = SimpleNamespace(range=_range, range_constexpr=_range, const_expr=lambda x: x, Int32=int,
+                              Constexpr=object)
+    pipeline = SimpleNamespace(make_pipeline_state=make_pipeline_state, PipelineUserType=anything)
+    cpasync = SimpleNamespace(tma_partition=lambda *_: (anything, anything))
+    scope = as_python(module, ("VarlenAttention.load",), dict(
+        cute=cute, cutlass=cutlass, pipeline=pipeline, cpasync=cpasync, load_kv_tile=load_kv_tile, WindowMask=Mask,
+        sequence_rows=lambda *_: (0, 100), sequence_keys=lambda *_: (0, 1000)))
+    config = SimpleNamespace(has_seqused_k=False)
+    this = SimpleNamespace(head_dim=128, head_dim_v=128, tile_n=128, tile_m=128, page_rows=page_rows, gather=gather,
+                           config=config, key_capacity=lambda *_: 1000, ring_swizzles=[(3, 4, 3)] * 2)
+    mQ = _Anything()
+    mQ.__dict__["shape"] = (100, 128, 8)
+    pipes = [_ProducerPipeline(log, name, rec.line) for name in "QKV"]
+    scope["load"](this, scheduler, anything, mQ, anything, anything, anything, anything, anything, anything,
+                  anything, (anything,) * 4, *pipes, (0, 0, 0))
+    setup = f"(page_rows {page_rows}, gather {gather}, producer warp {warp}, work tiles (batch, KV tiles) {work})"
+    loads_q = warp == 0
+    expected, counts = [], {"Q": 0, "K": 0, "V": 0}
+
+    def expect(pipe, block):
+        if pipe != "Q" or loads_q:
+            expected.append((pipe, block, counts[pipe]))
+            counts[pipe] += 1
+
+    for batch, n in tiles:
+        if batch == 9:
+            continue
+        if n > 0:
+            expect("K", ("KV tile", 0))
+        expect("Q", None)
+        for i in range(1, n):
+            expect("K", ("KV tile", i))
+            expect("V", ("KV tile", i - 1))
+        if n > 0:
+            expect("V", ("KV tile", n - 1))
+    loads = [event for event in log if event[0] == "acquire" and event[1] == "Q" or event[0] == "load"]
+    got = [("Q", None, event[2]) if event[0] == "acquire" else event[1:4] for event in loads]
+    if got != expected:
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        line = loads[min(first, len(loads) - 1)][-1] if loads else 0
+        if not loads_q and first < len(got) and got[first][0] == "Q":
+            raise SyncError(f"{_where(path, line)}: {setup}: producer warp {warp} loads Q; only warp 0 may: Q's "
+                            "full barrier expects one arrival per tile, and a second copy would overwrite the tile")
+        raise SyncError(f"{_where(path, line)}: {setup}: load {first} is "
+                        f"{got[first] if first < len(got) else 'missing'}, expected "
+                        f"{expected[first] if first < len(expected) else 'none'} ((pipeline, KV tile, buffer "
+                        "state count)); per work tile the producer loads K of its first KV tile, then Q, then K of "
+                        "tile i and V of tile i - 1 for i = 1 .. n - 1, then V of the last, each with its "
+                        "pipeline's next state: a missing load leaves the MMA warps waiting forever")
+    tails = [event[1:3] for event in log if event[0] == "tail"]
+    want = [(name, counts[name]) for name in ("QKV" if loads_q else "KV")]
+    if tails != want:
+        line = next((event[-1] for event in log if event[0] == "tail"), 0)
+        raise SyncError(f"{_where(path, line)}: {setup}: the producer's tails are {tails}; expected {want} (pipeline, state count): "
+                        "producer_tail waits until the consumers released every buffer, after the last load")

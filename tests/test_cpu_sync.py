@@ -7,7 +7,7 @@ same checks). docs/workshop/troubleshooting.md lists this catalogue.
 
 import cpu_sync
 import pytest
-from mutations import Delete, MoveBefore, SetArgument, Unwrap, mutate
+from mutations import Delete, MoveBefore, SetArgument, SetValue, Unwrap, mutate
 
 from course.runtime import stages
 
@@ -51,13 +51,28 @@ STAGE2_BUGS = {
 }
 
 
+STAGE10_BUGS = {
+    "first-k-tile-never-loaded": ("load", [Delete("load_kv_tile")], "waiting forever"),
+    "last-v-tile-never-loaded": ("load", [Delete("load_kv_tile", nth=3)], "waiting forever"),
+    "k-state-not-advanced-in-the-loop": ("load", [Delete("k_state.advance", nth=1)], "next state"),
+    "q-loaded-by-every-producer-warp": ("load", [SetValue("loads_q", "True", nth=1)], "only warp 0 may"),
+}
+
+
+def check_varlen_producer_every_way(module):
+    """Stage 10's producer with packed K/V, TMA copies per page, and the gather (warps 0 and 1: Q by warp 0)."""
+    for page_rows, gather, warp in ((0, False, 0), (16, False, 0), (16, True, 0), (16, True, 1)):
+        cpu_sync.check_varlen_producer(module, page_rows=page_rows, gather=gather, warp=warp)
+
+
 def check_stage8_every_warpgroup_count(module):
     for num_wgs in (2, 3):  # TILES uses both
         cpu_sync.check_stage8(module, num_wgs=num_wgs)
 
 
-CHECKS = {8: check_stage8_every_warpgroup_count, 2: cpu_sync.check_stage2}
-BUGS = [(8, name, *bug) for name, bug in STAGE8_BUGS.items()] + [(2, name, *bug) for name, bug in STAGE2_BUGS.items()]
+CHECKS = {8: check_stage8_every_warpgroup_count, 2: cpu_sync.check_stage2, 10: check_varlen_producer_every_way}
+BUGS = [(8, name, *bug) for name, bug in STAGE8_BUGS.items()] + [(2, name, *bug) for name, bug in STAGE2_BUGS.items()] + \
+    [(10, name, *bug) for name, bug in STAGE10_BUGS.items()]
 
 
 @pytest.mark.parametrize("number, name, function, bug, message", BUGS, ids=[f"stage{b[0]}-{b[1]}" for b in BUGS])

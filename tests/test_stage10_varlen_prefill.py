@@ -6,6 +6,7 @@ identical bits over 200 launches and CUDA-graph replay with other lengths.
 """
 
 import cpu_numerics
+import cpu_sync
 import pytest
 import torch
 
@@ -316,6 +317,15 @@ LOCATE_BATCHES = {
 # (page_size, seqlen_k): pages smaller than a KV tile (8 copies of 16 rows), as large (1 copy), larger (a
 # copy of a page's part), a last tile cut by S_k mid-page, and copies wholly past S_k.
 PAGED_LOADS = [(16, 300), (128, 129), (256, 300), (64, 1000), (32, 40)]
+
+
+@pytest.mark.parametrize("page_rows, gather, warp", [(0, False, 0), (16, False, 0), (16, True, 0), (16, True, 1)],
+                         ids=["packed", "tma-per-page", "gather-warp0", "gather-warp1"])
+def test_on_cpu_producer_loads(stage, page_rows, gather, warp):
+    """The producer's loop as Python on the CPU (tests/cpu_sync.py): per work tile K of its first KV tile, Q
+    (warp 0 only), then K of tile i and V of tile i - 1, then V of the last, each on its pipeline's next state,
+    and the tails after the last; work tiles of 0, 1 and several KV tiles, and one past the last sequence."""
+    cpu_sync.check_varlen_producer(stage, page_rows=page_rows, gather=gather, warp=warp)
 
 
 @pytest.mark.parametrize("page_size, seqlen_k", PAGED_LOADS, ids=[f"page{p}-sk{s}" for p, s in PAGED_LOADS])
