@@ -520,8 +520,6 @@ class VarlenAttention(Attention):
         qk_mma, pv_mma, pv_mma_wg = self.tiled_mmas()
         sQ_layout, sK_layout, sV_layout, sO_layout = self.smem_layouts()
         self.define_shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
-        # (B, M, S) of the K and V rings' swizzles, for the gather's addresses
-        self.ring_swizzles = [(s.num_bits, s.num_base, s.num_shift) for s in (sK_layout.inner, sV_layout.inner)]
         one_stage = (None, None, 0)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, d))
@@ -644,9 +642,9 @@ class VarlenAttention(Attention):
         if cutlass.const_expr(self.gather):
             loads_q = cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0
             # The rings as rows, (tile_n, D, KV_STAGES), with the swizzles their pointers carry
-            sK = sK, cute.make_swizzle(*self.ring_swizzles[0])
-            sV = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2])), \
-                cute.make_swizzle(*self.ring_swizzles[1])
+            _, sK_layout, sV_layout, _ = self.smem_layouts()
+            sK = sK, sK_layout.inner
+            sV = cute.make_tensor(sV.iterator, cute.select(sV.layout, mode=[1, 0, 2])), sV_layout.inner
         elif cutlass.const_expr(paged):
             # The ring as copies: (TMA, tile_n // rows, KV_STAGES); each copy is `rows` rows of a tile.
             sK = cute.group_modes(cute.flat_divide(sK, (rows, d))[None, None, None, 0, None], 0, 2)

@@ -636,7 +636,7 @@ def check_varlen_producer(module, *, page_rows: int, gather: bool, warp: int = 0
     anything = _Anything()
     arch = SimpleNamespace(make_warp_uniform=lambda x: x, warp_idx=lambda: warp)
     cute = SimpleNamespace(arch=arch, make_layout=anything, make_tensor=anything, select=anything,
-                           make_swizzle=anything, group_modes=anything, flat_divide=anything, local_tile=anything,
+                           group_modes=anything, flat_divide=anything, local_tile=anything,
                            domain_offset=anything, copy=anything)
     cutlass = SimpleNamespace(range=_range, range_constexpr=_range, const_expr=lambda x: x, Int32=int,
                               Constexpr=object)
@@ -647,7 +647,7 @@ def check_varlen_producer(module, *, page_rows: int, gather: bool, warp: int = 0
         sequence_rows=lambda *_: (0, 100), sequence_keys=lambda *_: (0, 1000)))
     config = SimpleNamespace(has_seqused_k=False)
     this = SimpleNamespace(head_dim=128, head_dim_v=128, tile_n=128, tile_m=128, page_rows=page_rows, gather=gather,
-                           config=config, key_capacity=lambda *_: 1000, ring_swizzles=[(3, 4, 3)] * 2)
+                           config=config, key_capacity=lambda *_: 1000, smem_layouts=lambda: (anything,) * 4)
     mQ = _Anything()
     mQ.__dict__["shape"] = (100, 128, 8)
     pipes = [_ProducerPipeline(log, name, rec.line) for name in "QKV"]
