@@ -28,10 +28,10 @@ FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
    transposed view. Q and dO are each read in two orientations (K-major for
    S and dP, M-major for dK and dV); one swizzled layout serves both.
 3. dQ: every CTA whose KV tile a Q tile sees adds its share, so the shares are
-   summed in float32 in global memory: each step's dQ goes to shared memory
-   and one elected lane of the first MMA warp adds it with a TMA reduce-add
-   (``cp.reduce.async.bulk``), which the L2 applies; ``ConvertDQ`` scales the
-   sum and converts it.
+   summed in float32 in global memory: each MMA warpgroup puts its part of
+   each step's dQ in shared memory, and a warp of the producer warpgroup (the
+   dQ warp) adds it with a TMA reduce-add (``cp.reduce.async.bulk``), which
+   the L2 applies; ``ConvertDQ`` scales the sum and converts it.
 
 Masks (causal, windows, sink tokens) choose the Q tiles a KV tile visits and
 set S to -inf outside; sink logits change only the LSE (the forward's) and
@@ -88,12 +88,16 @@ def swizzle_span(head_dim: int) -> int:
 
 
 class Barrier(IntEnum):
-    """Named barriers of the two MMA warpgroups (0 is __syncthreads)."""
+    """Named barriers (0 is __syncthreads). DQ_EMPTY and DQ_FULL are one per dQ warpgroup (+ its index), each
+    between that warpgroup and the dQ warp."""
 
-    DS_READY = 1   # both halves of dS^T are in shared memory (dQ = dS K reads both)
-    DQ_EMPTY = 2   # the last dQ reduce-add has read its buffer, and both dQ MMAs have read dS
-    DQ_FULL = 3    # both halves of dQ are in shared memory
-    EPILOGUE = 4
+    DS_READY = 1                 # both halves of dS^T are in shared memory (dQ = dS K reads both)
+    DQ_EMPTY = 2                 # the dQ warp's last reduce-add of this warpgroup's part has read it
+    DQ_FULL = DQ_EMPTY + MMA_WGS  # this warpgroup's part of dQ is in shared memory
+    EPILOGUE = DQ_FULL + MMA_WGS
+
+
+DQ_PART_THREADS = 128 + 32  # DQ_EMPTY and DQ_FULL: a warpgroup and the dQ warp
 
 
 @cute.jit
@@ -114,6 +118,21 @@ def pass_turn(turns: cute.Pointer):
     cute.arch.fence_proxy("async.global")
     if cute.arch.lane_idx() == 0:
         cute.arch.red(turns, cutlass.Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+
+
+def ring_buffer(t: cute.Tensor, index: cutlass.Int32) -> cute.Tensor:
+    """Buffer ``index`` (the last mode) of a ring of swizzled buffers, as buffer 0 moved by whole buffers.
+
+    Indexed by a run-time value, the mode's swizzled addresses are computed
+    per buffer and cost registers the kernel does not have; buffer 0's are
+    computed once, and a buffer is a whole number of swizzle periods, so one
+    add (of a multiple of the buffer's size, which keeps stmatrix's alignment)
+    moves them all.
+    """
+    origin = (0,) * (cute.rank(t) - 1)
+    first = t[(None,) * len(origin) + (0,)]
+    stride = cute.crd2idx(origin + (1,), t.layout)
+    return cute.make_tensor(first.iterator + cute.assume(index * stride, divby=stride), first.layout)
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -368,9 +387,10 @@ class ConvertDQ(RowPass):
 # --8<-- [end:preprocess]
 
 
-def rows_layout(dtype, shape: tuple) -> cute.ComposedLayout:
-    """A swizzled (rows, head_dim) tile, head_dim contiguous, of the atom ``swizzle_span`` chooses."""
-    span = swizzle_span(shape[1])
+def rows_layout(dtype, shape: tuple, span: int | None = None) -> cute.ComposedLayout:
+    """A swizzled (rows, columns) tile, columns contiguous, of the widest atom that ``span`` columns (by
+    default ``swizzle_span`` of the columns) allow."""
+    span = span or swizzle_span(shape[1])
     atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, span), dtype)
     return cute.tile_to_shape(atom, shape, order=(0, 1))
 
@@ -416,8 +436,9 @@ class AttentionBackward:
         row_layout = cute.make_layout(TILE_M)
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row_layout, (TILE_M,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD, row_layout, (TILE_M,))
-        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
-                                                      sdQ_layout, (TILE_M, d))
+        dq_part = self.dq_part_layout()
+        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, dq_part,
+                                                      cute.product_each(dq_part.shape))
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (TILE_N, d))
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (TILE_N, d))
@@ -447,15 +468,21 @@ class AttentionBackward:
         return sdp_mma, dkv_mma, dq_mma
 
     def smem_layouts(self):
-        """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ), dQ in float32."""
+        """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ, a buffer per Q buffer), dQ in float32."""
         dtype, d = self.dtype, self.head_dim
         sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
         sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
         kv_layout = rows_layout(dtype, (TILE_N, d))
-        sdS_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, 1), (None, None, 0))
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, Q_STAGES)
         sdQ_layout = rows_layout(cutlass.Float32, (TILE_M, d))
         return sQ_layout, sdO_layout, kv_layout, kv_layout, sdS_layout, sdQ_layout
+
+    def dq_part_layout(self):
+        """One dQ warpgroup's columns of the float32 dQ tile. The tile's swizzle atoms (``swizzle_span``) lay
+        whole atoms of columns one after another, so a part is a contiguous piece of ``sdQ``, swizzled alike,
+        that one reduce-add copies."""
+        d = self.head_dim
+        return rows_layout(cutlass.Float32, (TILE_M, d // DQ_WARPGROUPS[d]), swizzle_span(d))
 
     @cute.jit
     def define_shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
@@ -511,16 +538,19 @@ class AttentionBackward:
             cute.arch.setmaxregister_increase(REGISTERS[MMA_WGS][1])
             n_block, head_kv, batch = self.tile_coordinates()
             group = mQ.shape[2] // mK.shape[2]
-            self.mma(sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, mdQturns, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
+            self.mma(sdp_mma, dkv_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
                      batch, group, mQ.shape[0], mK.shape[0], scale_log2, softmax_scale, window_left, window_right,
                      num_sink_tokens, rotate)
         else:
             cute.arch.setmaxregister_decrease(REGISTERS[MMA_WGS][0])
+            n_block, head_kv, batch = self.tile_coordinates()
+            group = mQ.shape[2] // mK.shape[2]
             if warp_idx == 0:
-                n_block, head_kv, batch = self.tile_coordinates()
-                group = mQ.shape[2] // mK.shape[2]
                 self.load(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
                           n_block, head_kv, batch, group, window_left, window_right, num_sink_tokens, rotate)
+            elif warp_idx == 1:
+                self.store_dq(tma_dq, mdQ, mdQturns, smem[5], n_block, head_kv, batch, group, mQ.shape[0],
+                              mK.shape[0], window_left, window_right, num_sink_tokens, rotate)
 
     @cute.jit
     def tile_coordinates(self):
@@ -569,15 +599,7 @@ class AttentionBackward:
         pipeline_kv, pipeline_q, pipeline_do = pipes
         d = self.head_dim
         one_cta = cute.make_layout(1)
-        mask = self.key_tile_mask(n_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
-                                  rotate)
-        m_block_min, m_block_max = mask.m_block_range()
-        n_m = m_block_max - m_block_min
-        q_tile = mask.q_tile
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
-
         gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
@@ -586,6 +608,14 @@ class AttentionBackward:
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
         cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
         kv_state.advance()
+
+        mask = self.key_tile_mask(n_block, mQ.shape[0], mK.shape[0], window_left, window_right, num_sink_tokens,
+                                  rotate)
+        m_block_min, m_block_max = mask.m_block_range()
+        n_m = m_block_max - m_block_min
+        q_tile = mask.q_tile
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
 
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
@@ -617,9 +647,50 @@ class AttentionBackward:
         pipeline_do.producer_tail(do_state)
     # --8<-- [end:producer]
 
+    # --8<-- [start:dq_warp]
+    @cute.jit
+    def store_dq(self, tma_dq, mdQ, mdQturns, sdQ, n_block: cutlass.Int32, head_kv: cutlass.Int32,
+                 batch: cutlass.Int32, group: cutlass.Int32, seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32,
+                 window_left: cutlass.Int32, window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32,
+                 rotate: cutlass.Int32):
+        """The dQ warp: every step, each dQ warpgroup's part of the tile into the float32 sum, a TMA reduce-add
+        per part. The MMA warpgroups only wait for their part's buffer; the adds, and in deterministic mode the
+        turns, are this warp's."""
+        dq_wgs = DQ_WARPGROUPS[self.head_dim]
+        part = cute.product_each(self.dq_part_layout().shape)
+        one_cta = cute.make_layout(1)
+        mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate)
+        m_block_min, m_block_max = mask.m_block_range()
+        n_m = m_block_max - m_block_min
+        q_tile, dq_turn = mask.q_tile, mask.dq_turn
+        for step in cutlass.range(group * n_m, unroll=1):
+            head = head_kv * group + step // n_m
+            m_block = q_tile(step % n_m, m_block_min, n_m)
+            for wg in cutlass.range_constexpr(dq_wgs):
+                # Part wg's last add (the groups complete in order) has read its buffer: hand it back.
+                cute.arch.cp_async_bulk_wait_group(dq_wgs - 1 - wg, read=True)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY) + wg, number_of_threads=DQ_PART_THREADS)
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], part, (m_block, None))
+            if cutlass.const_expr(self.deterministic):
+                turns = mdQturns.iterator + cute.crd2idx((batch, head, m_block), mdQturns.layout)
+                wait_for_turn(turns, dq_turn(m_block))
+            for wg in cutlass.range_constexpr(dq_wgs):
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL) + wg, number_of_threads=DQ_PART_THREADS)
+                sdQ_part = cute.local_tile(sdQ, part, (0, wg))
+                tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, one_cta, cute.group_modes(sdQ_part, 0, 2),
+                                                     cute.group_modes(gdQ[None, None, wg], 0, 2))
+                cute.copy(tma_dq, tQsdQ, tQgdQ)  # one elected lane issues it: the whole warp is here
+                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                # The next tile's turn comes when this one's adds have landed, not only read shared memory.
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                pass_turn(turns)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the buffers outlive every add that reads them
+    # --8<-- [end:dq_warp]
+
     # --8<-- [start:consumer]
     @cute.jit
-    def mma(self, sdp_mma, dkv_mma, dq_mma, tma_dq, mdQ, mdQturns, tma_dk, mdK, tma_dv, mdV, smem, pipes,
+    def mma(self, sdp_mma, dkv_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes,
             n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
             seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32, scale_log2: cutlass.Float32,
             softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
@@ -630,25 +701,35 @@ class AttentionBackward:
         d = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         mma_tidx = tidx - 128
+        mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
+        # Operands in shared memory are a whole warpgroup's: sliced at the warpgroup's first thread, a
+        # warp-uniform index, their WGMMA descriptors are computed once, in uniform registers.
+        wg_thread0 = mma_wg * 128
         thr_sdp = sdp_mma.get_slice(mma_tidx)
-        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))
-        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))
-        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))    # (MMA, N, K, Q_STAGES)
-        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))
+        thr_sdp_wg = sdp_mma.get_slice(wg_thread0)
+        tSrK = thr_sdp_wg.make_fragment_A(thr_sdp_wg.partition_A(sK))
+        tSrV = thr_sdp_wg.make_fragment_A(thr_sdp_wg.partition_A(sV))
+        tSrQ = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sQ))    # (MMA, N, K, Q_STAGES)
+        tSrdO = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sdO))
         acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, TILE_M)))
         acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, TILE_M)))
         tStcSt = thr_sdp.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
-        tStsdSt = thr_sdp.partition_C(transposed(sdS))                # where this thread's dS^T values go
+        # dS^T into the rows-contiguous dS buffer by stmatrix: per instruction four 8x8 blocks, 16 bytes a lane.
+        ds_store = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, cutlass.Float32)
+        thr_ds = cute.make_tiled_copy_C(ds_store, sdp_mma).get_slice(mma_tidx)
+        tdSsdS = thr_ds.partition_D(transposed(sdS))                 # (CPY, CPY_M, CPY_N, Q_STAGES)
         thr_dkv = dkv_mma.get_slice(mma_tidx)
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sdO)))  # dO^T: (N = d, K = rows)
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(sQ)))
+        thr_dkv_wg = dkv_mma.get_slice(wg_thread0)
+        tdVrdO = thr_dkv_wg.make_fragment_B(thr_dkv_wg.partition_B(transposed(sdO)))  # dO^T: (N = d, K = rows)
+        tdKrQ = thr_dkv_wg.make_fragment_B(thr_dkv_wg.partition_B(transposed(sQ)))
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
         dq_threads = 128 * DQ_WARPGROUPS[d]
         computes_dq = mma_tidx < dq_threads if DQ_WARPGROUPS[d] < MMA_WGS else True  # every warpgroup, or the first
         thr_dq = dq_mma.get_slice(mma_tidx % dq_threads)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(sK)))  # K^T: (N = d, K = keys)
+        thr_dq_wg = dq_mma.get_slice(wg_thread0 % dq_threads)
+        tdQrdS = thr_dq_wg.make_fragment_A(thr_dq_wg.partition_A(sdS))      # (MMA, M, K, Q_STAGES)
+        tdQrK = thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(transposed(sK)))  # K^T: (N = d, K = keys)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
         tdQsdQ = thr_dq.partition_C(sdQ)
         # P^T and dS^T as 16-bit A operands, in the registers' order of S^T (stage 8's P)
@@ -656,6 +737,7 @@ class AttentionBackward:
         tdVrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
         rdS = cute.make_rmem_tensor_like(acc_dPt, self.dtype)
         tdKrdS = cute.make_tensor(rdS.iterator, acc_layout_as_operand_a(rdS.layout))
+        tdSrdS = thr_ds.retile(rdS)
 
         mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate)
         m_block_min, m_block_max = mask.m_block_range()
@@ -668,11 +750,8 @@ class AttentionBackward:
         pipeline_kv.consumer_wait(kv_state)
         tile_is_partial = mask.tile_is_partial
         apply_mask = mask.apply_transposed
-        dq_turn = mask.dq_turn
         q_tile = mask.q_tile
-        last_turn = cutlass.Int32(0)  # deterministic: where the last reduce-add's turn is counted
         for step in cutlass.range(group * n_m, unroll=1):
-            head = head_kv * group + step // n_m
             m_block = q_tile(step % n_m, m_block_min, n_m)
             q, o = q_state.index, do_state.index
             pipeline_q.consumer_wait(q_state)
@@ -687,49 +766,29 @@ class AttentionBackward:
             rP.store(acc_St.load().to(self.dtype))
             rdS.store(acc_dPt.load().to(self.dtype))
             warpgroup_gemm(dkv_mma, acc_dV, tdVrP, tdVrdO[None, None, None, o], zero_init=False)
-            # dS^T to shared memory: the last step's dQ MMAs finished reading it (DQ_EMPTY).
-            cute.autovec_copy(rdS, tStsdSt)
+            # dS^T to shared memory, the buffer of Q's: its last readers, both warpgroups' dQ MMAs two steps
+            # back, were complete before the other warpgroup reached the last step's DS_READY.
+            cute.copy(ds_store, tdSrdS, ring_buffer(tdSsdS, q))
             cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy stores, then WGMMA reads
             cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=self.mma_threads)
-            warpgroup_gemm(dkv_mma, acc_dK, tdKrdS, tdKrQ[None, None, None, q], zero_init=False)
             if computes_dq:
-                warpgroup_gemm(dq_mma, acc_dQ, tdQrdS, tdQrK)
-            warpgroup.wait_group(0)
+                warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK)
+                warpgroup_gemm(dkv_mma, acc_dK, tdKrdS, tdKrQ[None, None, None, q], zero_init=False)
+                # dQ into this warpgroup's part of the buffer while dK's MMAs run; the dQ warp adds it.
+                warpgroup.wait_group(1)
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY) + mma_wg, number_of_threads=DQ_PART_THREADS)
+                cute.autovec_copy(acc_dQ, tdQsdQ)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL) + mma_wg,
+                                         number_of_threads=DQ_PART_THREADS)
+                warpgroup.wait_group(0)
+            else:  # each branch waits for its own MMAs: ptxas serializes them all if a wait spans the two
+                warpgroup_gemm(dkv_mma, acc_dK, tdKrdS, tdKrQ[None, None, None, q], zero_init=False)
+                warpgroup.wait_group(0)
             pipeline_q.consumer_release(q_state)
             pipeline_do.consumer_release(do_state)
             q_state.advance()
             do_state.advance()
-            # dQ through shared memory into the float32 sum: one reduce-add per step.
-            # The first MMA warp issues the reduce-adds (they elect one lane: the whole warp must be here).
-            first_warp = mma_tidx < 32
-            if first_warp:
-                if cutlass.const_expr(self.deterministic):
-                    # The last reduce-add has landed, not only read sdQ: its turn passes a step after its issue,
-                    # so the wait for the writes overlaps this step's products.
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    if step > 0:
-                        pass_turn(mdQturns.iterator + last_turn)
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last reduce-add has read sdQ
-            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=self.mma_threads)
-            if computes_dq:
-                cute.autovec_copy(acc_dQ, tdQsdQ)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=self.mma_threads)
-            if first_warp:
-                gdQ = cute.local_tile(mdQ[None, None, head, batch], (TILE_M, d), (m_block, 0))
-                tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                                                     cute.group_modes(gdQ, 0, 2))
-                if cutlass.const_expr(self.deterministic):
-                    last_turn = cutlass.Int32(cute.crd2idx((batch, head, m_block), mdQturns.layout))
-                    wait_for_turn(mdQturns.iterator + last_turn, dq_turn(m_block))
-                cute.copy(tma_dq, tQsdQ, tQgdQ)
-                cute.arch.cp_async_bulk_commit_group()
-        if cutlass.const_expr(self.deterministic):
-            if mma_tidx < 32:
-                if n_m > 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    pass_turn(mdQturns.iterator + last_turn)
         self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, dkv_mma, mma_tidx, n_block, head_kv,
                          batch, softmax_scale)
         pipeline_kv.consumer_release(kv_state)
@@ -751,7 +810,7 @@ class AttentionBackward:
         cute.autovec_copy(rdV, thr_dkv.partition_C(sV))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)
-        if mma_tidx < 32:  # the warp whose lane 0 issued the reduce-adds: it waits for them below
+        if mma_tidx < 32:
             one_cta = cute.make_layout(1)
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))

@@ -82,6 +82,11 @@ def test_cross_compiles_for_sm90a(stage, config):
     assert report.ptx_instructions["wgmma.mma_async"] > 0
     assert report.ptx_instructions["cp.async.bulk.tensor"] > 0
     assert report.ptx_instructions["mbarrier"] > 0
+    assert report.wgmma_serialized is None, (
+        f"{report.name}: ptxas made each WGMMA wait for the one before ({report.wgmma_serialized}). The kernel is "
+        "correct and several times slower. The usual cause: an accumulator read, or a wait_group, on a path that "
+        "skips the MMAs it waits for (a wait inside an `if` whose MMAs were issued outside it); each branch must "
+        "issue and wait for its own.")
     # Stage 8 on: what the tiling allows (three MMA warpgroups keep a few per-tile values in local memory).
     allowed = stage.spill_bytes_allowed(config) if hasattr(stage, "spill_bytes_allowed") else 0
     if report.spill_bytes is not None:

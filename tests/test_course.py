@@ -130,6 +130,20 @@ def test_skeleton_fails_with_its_todo(stage, generated_skeleton):
         module.cross_compile_config(module.KERNEL_CONFIGS[-1])
 
 
+def test_compile_report_reads_ptxas_serialized_wgmma_note():
+    """ptxas says when it makes every WGMMA wait for the one before (correct, several times slower), only as a
+    -v note: the cross-compile report picks it out so that the compile tests can fail on it."""
+    from course.runtime.compile import wgmma_serialized
+
+    note = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+            "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the pipeline "
+            "stage in the function ''kernel_cutlass_kernel_x''\nptxas info    : Used 168 registers, used 5 barriers")
+    assert wgmma_serialized(note) == (
+        "C7514: wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator "
+        "registers of a wgmma between start and end of the pipeline stage")
+    assert wgmma_serialized("ptxas info    : Used 168 registers, used 5 barriers\n") is None
+
+
 def test_skeleton_differs_only_in_todo_regions():
     for stage in (s for s in stages.STAGES if s.ready):
         solution = stage.path("solutions").read_text().splitlines()

@@ -118,21 +118,22 @@ def test_notebook_runs_top_to_bottom(path):
     notebooks.execute(path)
 
 
-def test_results_tables_are_generated(tmp_path):
-    """docs/results/results-tables.md, bench.md and stageNN.md are exactly what `python -m course.tools.results` writes
-    from bench.json."""
+@pytest.mark.parametrize("folder", ["results", "results/h200"])
+def test_results_tables_are_generated(tmp_path, folder):
+    """docs/<folder>/results-tables.md, bench.md and stageNN.md are exactly what `python -m course.tools.results`
+    writes from bench.json (docs/results: the course's GPU; results/h200: a run on another GPU, kept apart)."""
     import shutil
 
     from course.tools import results
 
-    shutil.copy(ROOT / "docs" / "results" / "bench.json", tmp_path / "bench.json")
-    results.render(tmp_path)
+    shutil.copy(ROOT / "docs" / folder / "bench.json", tmp_path / "bench.json")
+    results.render(tmp_path, folder)
     names = [results.TABLES, results.BENCH_MD] + [results.stage_file(s.number) for s in stages.STAGES if s.ready]
     for name in names:
-        committed = (ROOT / "docs" / "results" / name).read_text()
+        committed = (ROOT / "docs" / folder / name).read_text()
         assert committed == (tmp_path / name).read_text(), (
-            f"docs/results/{name} is not what course.tools.results renders from bench.json; "
-            "regenerate it with `python -m course.tools.results` (never edit it by hand)"
+            f"docs/{folder}/{name} is not what course.tools.results renders from bench.json; "
+            f"regenerate it with `python -m course.tools.results --dir docs/{folder}` (never edit it by hand)"
         )
 
 

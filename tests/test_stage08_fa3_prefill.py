@@ -37,6 +37,7 @@ def test_ablation_compiles_each_step(stage):
         config = prefill.KernelConfig("float16", 128, has_right=True)
         report = prefill.cross_compile_config(kernel_class, config, stage=8)
         assert report.spill_bytes in (0, None), f"{label} spills {report.spill_bytes} bytes"
+        assert report.wgmma_serialized is None, f"{label}: {report.wgmma_serialized}"
 
 
 def test_tiles_cover_the_contract_and_fit(stage):

@@ -375,6 +375,7 @@ def test_cross_compiles_for_sm90a(stage, config):
             "the appended row is quantized with an IEEE division, as kv_cache.quantize_rows divides")
     bytes_per = stage.cache_bytes(config.cache_dtype)
     assert report.spill_bytes == 0, f"{report.name} spills {report.spill_bytes} bytes of registers to local memory"
+    assert report.wgmma_serialized is None, f"{report.name}: {report.wgmma_serialized}"
     expected_shared = stage.shared_bytes(config.head_dim, config.cache_dtype, config.row_tiles, config.warps,
                                          config.appends, config.rotary)
     assert report.shared_bytes == expected_shared, (

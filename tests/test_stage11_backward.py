@@ -97,6 +97,7 @@ def test_deterministic_mode_cross_compiles(stage, name):
     config = next(c for c in stage.KERNEL_CONFIGS if c.name == name)
     report = stage.cross_compile_config(config, deterministic=True)
     assert report.spill_bytes in (0, None), f"{report.name} spills {report.spill_bytes} bytes"
+    assert report.wgmma_serialized is None, f"{report.name}: {report.wgmma_serialized}"
 
 
 @pytest.mark.gpu

@@ -90,6 +90,9 @@ class CompileReport:
     spill_bytes: int | None = None
     shared_bytes: int | None = None
     ptx_instructions: dict[str, int] = field(default_factory=dict)
+    # ptxas's note when it made every WGMMA wait for the one before (e.g. "C7514: wgmma.mma_async instructions
+    # are serialized due to ..."): the kernel runs, correct and much slower. None without a note (or a report).
+    wgmma_serialized: str | None = None
 
     def summary(self) -> str:
         parts = [f"{self.seconds:.1f}s"]
@@ -105,6 +108,9 @@ class CompileReport:
 _CUOBJDUMP = re.compile(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores")
+_PTXAS_SERIALIZED = re.compile(
+    r"\((C75\d\d)\) Potential Performance Loss: (wgmma\.mma_async instructions are serialized[^']*?)(?: in the function|$)",
+    re.M)
 
 
 def resource_usage(cubin: Path, ptx: Path, ptxas_report: str = "") -> tuple[int, int] | None:
@@ -131,6 +137,13 @@ def resource_usage(cubin: Path, ptx: Path, ptxas_report: str = "") -> tuple[int,
         if regs and spill:
             return int(regs.group(1)), int(spill.group(1))
     return None
+
+
+def wgmma_serialized(ptxas_report: str) -> str | None:
+    """ptxas's note that it serialized the kernel's WGMMAs ("C7514: wgmma.mma_async instructions are serialized
+    due to ..."), from the ``-v`` lines of its run; None when it made no such note."""
+    found = _PTXAS_SERIALIZED.search(ptxas_report)
+    return f"{found.group(1)}: {' '.join(found.group(2).split())}" if found else None
 
 
 @contextlib.contextmanager
@@ -183,9 +196,11 @@ def cross_compile(jit_fn, *args, name: str, keep: bool = False) -> CompileReport
         ptx.write_text(compiled.artifacts.PTX)
         cubin.write_bytes(compiled.artifacts.CUBIN)
         report.ptx_instructions = _ptx_features(compiled.artifacts.PTX)
-        usage = resource_usage(cubin, ptx, remarks.read_text() if remarks.exists() else "")
+        ptxas_report = remarks.read_text() if remarks.exists() else ""
+        usage = resource_usage(cubin, ptx, ptxas_report)
         if usage is not None:
             report.registers, report.spill_bytes = usage
+        report.wgmma_serialized = wgmma_serialized(ptxas_report)
         if keep:
             ARTIFACT_ROOT.mkdir(parents=True, exist_ok=True)
             for path in (ptx, cubin):
