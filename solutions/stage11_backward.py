@@ -67,7 +67,19 @@ from solutions.stage08_fa3_prefill import (
 from solutions.stage10_varlen_prefill import attention  # noqa: F401 (the forward this stage differentiates)
 
 STAGE = 11
-TILE_M = 64    # query rows per step: the N of S^T = K Q^T, the M of dQ = dS K
+# --8<-- [start:q_tile_rows]
+# Query rows per step (the N of S^T = K Q^T, the M of dQ = dS K), per head dim: 128 where the registers and
+# shared memory hold a step that wide (D = 64: S^T and dP^T take 64 registers each, dK and dV 32), else 64.
+Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64}
+# --8<-- [end:q_tile_rows]
+# Local memory a kernel may use. The deterministic D = 64 kernels with a left window bound keep one to three of
+# stmatrix's swizzled dS addresses in local memory (L1 hits, reloaded once per step), and how many moves with any
+# reordering of the code; the same code without the turns, and every other kernel, spills nothing.
+DETERMINISTIC_SPILL_BYTES_ALLOWED = 16
+
+
+def spill_bytes_allowed(config, deterministic: bool = False) -> int:
+    return DETERMINISTIC_SPILL_BYTES_ALLOWED if deterministic and config.head_dim == 64 and config.has_left else 0
 TILE_N = 128   # keys per CTA: 64 per MMA warpgroup
 Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
 MMA_WGS = 2
@@ -155,7 +167,7 @@ class KeyTileMask(WindowMask):
 
     def __init__(self, n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, deterministic=False,
                  rotate=0):
-        super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, TILE_M, TILE_N)
+        super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS[config.head_dim], TILE_N)
         self.n_block = n_block
         self.key0 = n_block * TILE_N
         # Deterministic and unmasked, every KV tile visits every Q tile: with ``rotate`` (the host's choice)
@@ -163,7 +175,7 @@ class KeyTileMask(WindowMask):
         self.rotates = deterministic and not (config.has_left or config.has_right)
         if self.rotates:
             self.rotate = rotate
-            self.q_tiles = (seqlen_q + TILE_M - 1) // TILE_M
+            self.q_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m
             self.kv_tiles = (seqlen_k + TILE_N - 1) // TILE_N
             self.rotation = (n_block % self.q_tiles) * rotate
 
@@ -405,12 +417,14 @@ class AttentionBackward:
     the passes before and after it are ``preprocess`` and ``postprocess``."""
 
     preprocess, postprocess = Preprocess, ConvertDQ
+    q_tile_rows = Q_TILE_ROWS  # the host pads the LSE and D to whole Q tiles, and counts deterministic turns per tile
 
     def __init__(self, config, deterministic: bool = False):
         self.config = config
         self.deterministic = deterministic  # dQ's shares added in a fixed order (KeyTileMask.dq_turn)
         self.dtype = config.cute_dtype
         self.head_dim = config.head_dim
+        self.tile_m = Q_TILE_ROWS[config.head_dim]
         self.mma_threads = 128 * MMA_WGS
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then the MMA warpgroups
 
@@ -429,13 +443,13 @@ class AttentionBackward:
         one_stage = (None, None, 0)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         d = self.head_dim
-        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, one_stage), (TILE_M, d))
-        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sdO_layout, one_stage), (TILE_M, d))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, one_stage), (self.tile_m, d))
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sdO_layout, one_stage), (self.tile_m, d))
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (TILE_N, d))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (TILE_N, d))
-        row_layout = cute.make_layout(TILE_M)
-        tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row_layout, (TILE_M,))
-        tma_d, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD, row_layout, (TILE_M,))
+        row_layout = cute.make_layout(self.tile_m)
+        tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row_layout, (self.tile_m,))
+        tma_d, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD, row_layout, (self.tile_m,))
         dq_part = self.dq_part_layout()
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, dq_part,
                                                       cute.product_each(dq_part.shape))
@@ -455,7 +469,7 @@ class AttentionBackward:
         dtype, d = self.dtype, self.head_dim
         # Warpgroup w owns keys [64 w, 64 w + 64) of the KV tile in the first four products.
         sdp_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (MMA_WGS, 1, 1), (64, TILE_M))
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (MMA_WGS, 1, 1), (64, self.tile_m))
         # P^T and dS^T from registers; dO and Q read M/N-major (head_dim contiguous).
         dkv_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS, 1, 1), (64, d),
@@ -470,11 +484,11 @@ class AttentionBackward:
     def smem_layouts(self):
         """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ, a buffer per Q buffer), dQ in float32."""
         dtype, d = self.dtype, self.head_dim
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
-        sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M, d), dtype, Q_STAGES)
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, self.tile_m, d), dtype, Q_STAGES)
+        sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, self.tile_m, d), dtype, Q_STAGES)
         kv_layout = rows_layout(dtype, (TILE_N, d))
-        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (TILE_M, d, TILE_N), dtype, Q_STAGES)
-        sdQ_layout = rows_layout(cutlass.Float32, (TILE_M, d))
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, TILE_N), dtype, Q_STAGES)
+        sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, d))
         return sQ_layout, sdO_layout, kv_layout, kv_layout, sdS_layout, sdQ_layout
 
     def dq_part_layout(self):
@@ -482,7 +496,7 @@ class AttentionBackward:
         whole atoms of columns one after another, so a part is a contiguous piece of ``sdQ``, swizzled alike,
         that one reduce-add copies."""
         d = self.head_dim
-        return rows_layout(cutlass.Float32, (TILE_M, d // DQ_WARPGROUPS[d]), swizzle_span(d))
+        return rows_layout(cutlass.Float32, (self.tile_m, d // DQ_WARPGROUPS[d]), swizzle_span(d))
 
     @cute.jit
     def define_shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
@@ -493,8 +507,8 @@ class AttentionBackward:
             kv_bars: cute.struct.MemRange[cutlass.Int64, 2]
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
             do_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
-            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, TILE_M * Q_STAGES], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, TILE_M * Q_STAGES], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * Q_STAGES], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * Q_STAGES], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -504,7 +518,7 @@ class AttentionBackward:
 
         self.shared_storage = SharedStorage
         one_stage = (None, None, 0)
-        row_bytes = TILE_M * 4
+        row_bytes = self.tile_m * 4
         self.q_bytes = cute.size_in_bytes(dtype, cute.slice_(sQ_layout, one_stage)) + row_bytes  # Q and its LSE
         self.do_bytes = cute.size_in_bytes(dtype, cute.slice_(sdO_layout, one_stage)) + row_bytes  # dO and its D
         self.kv_bytes = cute.size_in_bytes(dtype, sK_layout) + cute.size_in_bytes(dtype, sV_layout)
@@ -562,11 +576,11 @@ class AttentionBackward:
         return n_block, head_kv, batch
 
     def shared_tensors(self, storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
-        """sQ, sdO, sK, sV, sdS, sdQ with their swizzled layouts, then sLSE and sD as (TILE_M, Q_STAGES)."""
+        """sQ, sdO, sK, sV, sdS, sdQ with their swizzled layouts, then sLSE and sD as (tile_m, Q_STAGES)."""
         swizzled = tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
             (storage.sQ, sQ_layout), (storage.sdO, sdO_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
             (storage.sdS, sdS_layout), (storage.sdQ, sdQ_layout)))
-        rows = cute.make_layout((TILE_M, Q_STAGES))
+        rows = cute.make_layout((self.tile_m, Q_STAGES))
         return swizzled + (storage.sLSE.get_tensor(rows), storage.sD.get_tensor(rows))
 
     def make_pipelines(self, storage):
@@ -620,10 +634,10 @@ class AttentionBackward:
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
             m_block = q_tile(step % n_m, m_block_min, n_m)
-            gQ = cute.local_tile(mQ[None, None, head, batch], (TILE_M, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (TILE_M, d), (None, 0))
-            gLSE = cute.local_tile(mLSE[None, head, batch], (TILE_M,), (None,))
-            gD = cute.local_tile(mD[None, head, batch], (TILE_M,), (None,))
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
+            gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (None,))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, one_cta, cute.group_modes(sdO, 0, 2),
@@ -711,9 +725,9 @@ class AttentionBackward:
         tSrV = thr_sdp_wg.make_fragment_A(thr_sdp_wg.partition_A(sV))
         tSrQ = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sQ))    # (MMA, N, K, Q_STAGES)
         tSrdO = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sdO))
-        acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, TILE_M)))
-        acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, TILE_M)))
-        tStcSt = thr_sdp.partition_C(cute.make_identity_tensor((TILE_N, TILE_M)))
+        acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, self.tile_m)))
+        acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, self.tile_m)))
+        tStcSt = thr_sdp.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
         # dS^T into the rows-contiguous dS buffer by stmatrix: per instruction four 8x8 blocks, 16 bytes a lane.
         ds_store = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, cutlass.Float32)
         thr_ds = cute.make_tiled_copy_C(ds_store, sdp_mma).get_slice(mma_tidx)
@@ -730,7 +744,7 @@ class AttentionBackward:
         thr_dq_wg = dq_mma.get_slice(wg_thread0 % dq_threads)
         tdQrdS = thr_dq_wg.make_fragment_A(thr_dq_wg.partition_A(sdS))      # (MMA, M, K, Q_STAGES)
         tdQrK = thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(transposed(sK)))  # K^T: (N = d, K = keys)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TILE_M, d)))
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, d)))
         tdQsdQ = thr_dq.partition_C(sdQ)
         # P^T and dS^T as 16-bit A operands, in the registers' order of S^T (stage 8's P)
         rP = cute.make_rmem_tensor_like(acc_St, self.dtype)

@@ -1389,10 +1389,11 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
 
 # ---------------------------------------------------------------- stage 11: a KV tile's Q tiles, P and dS
 
-def sdp_tiled_mma(module):
-    """S^T = K Q^T partitioned as stage 11 does it (sdp_mma): the (key, row) of each register."""
+def sdp_tiled_mma(module, tile_m: int):
+    """S^T = K Q^T partitioned as stage 11 does it (sdp_mma), for Q tiles of ``tile_m`` rows: the (key, row) of
+    each register."""
     return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K, OperandMajorMode.K,
-                                             Float32, (module.MMA_WGS, 1, 1), (64, module.TILE_M))
+                                             Float32, (module.MMA_WGS, 1, 1), (64, tile_m))
 
 
 @cute.jit
@@ -1401,11 +1402,12 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
                  left: Int32, right: Int32, num_sink_tokens: Int32):
     """KeyTileMask of KV tile ``n_block`` on every register of every MMA thread, for each Q tile.
 
-    ``scores`` [TILE_N, m_blocks * TILE_M], zeros, gets -inf where ``apply_transposed`` masks;
+    ``scores`` [TILE_N, m_blocks * the config's Q tile], zeros, gets -inf where ``apply_transposed`` masks;
     ``tiles`` gets [m_block_min, m_block_max] (``m_block_range``), then ``tile_is_partial`` of each Q tile,
     then ``dq_turn`` of each Q tile (the deterministic dQ order).
     """
-    sdp_mma = sdp_tiled_mma(module)
+    tile_m = module.Q_TILE_ROWS[config.head_dim]
+    sdp_mma = sdp_tiled_mma(module, tile_m)
     mask = module.KeyTileMask(n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
     m_block_min, m_block_max = mask.m_block_range()
     tiles[0] = m_block_min
@@ -1420,23 +1422,25 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
     for m_block in range(m_blocks):
         for thread in range(MMA_THREADS):
             thr = sdp_mma.get_slice(thread)
-            acc = thr.make_fragment_C(thr.partition_shape_C((module.TILE_N, module.TILE_M)))
-            coord = thr.partition_C(cute.make_identity_tensor((module.TILE_N, module.TILE_M)))
+            acc = thr.make_fragment_C(thr.partition_shape_C((module.TILE_N, tile_m)))
+            coord = thr.partition_C(cute.make_identity_tensor((module.TILE_N, tile_m)))
             acc.fill(0.0)
             apply(acc, coord, m_block)
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 key, row = coord[i]
-                scores[key, m_block * module.TILE_M + row] = acc[i]
+                scores[key, m_block * tile_m + row] = acc[i]
 
 
-def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]]) -> None:
+def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]], head_dim: int = 128) -> None:
     """KeyTileMask.m_block_range and apply_transposed for every KV tile against reference.visible_keys: the
     Q tiles a KV tile visits are exactly those with a row that sees one of its keys, a tile that skips the
-    mask sees all of them, and the mask hides exactly the invisible (row, key) pairs."""
+    mask sees all of them, and the mask hides exactly the invisible (row, key) pairs. The Q tiles are those of
+    ``head_dim``'s kernel (``Q_TILE_ROWS``)."""
     left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
     sinks = features.get("num_sink_tokens", 0)
-    config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = module.TILE_M, module.TILE_N
+    config = prefill.KernelConfig(head_dim=head_dim, has_left=left >= 0, has_right=right >= 0,
+                                  has_sink_tokens=left >= 0 and sinks > 0)
+    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.TILE_N
     m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
     scores = torch.zeros(tile_n, m_blocks * tile_m)
     tiles = torch.zeros(2 + 2 * m_blocks, dtype=torch.int32)
@@ -1494,14 +1498,16 @@ def deterministic_visits(module: cutlass.Constexpr, config: cutlass.Constexpr, o
         out[1, step] = dq_turn(m_block)
 
 
-def check_deterministic_turns(module, features: dict, lengths: list[tuple[int, int]], rotate: int) -> None:
+def check_deterministic_turns(module, features: dict, lengths: list[tuple[int, int]], rotate: int,
+                              head_dim: int = 128) -> None:
     """The deterministic dQ order, KV tile by KV tile (``q_tile`` and ``dq_turn``): every tile visits each Q tile
     it sees once, the turns of a Q tile's visitors are 0, 1, 2, ... (one each), and the CTAs, all resident and
-    each waiting at every step for its turn, finish: no wait that never ends."""
+    each waiting at every step for its turn, finish: no wait that never ends. Q tiles of ``head_dim``'s kernel."""
     left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
     sinks = features.get("num_sink_tokens", 0)
-    config = prefill.KernelConfig(has_left=left >= 0, has_right=right >= 0, has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = module.TILE_M, module.TILE_N
+    config = prefill.KernelConfig(head_dim=head_dim, has_left=left >= 0, has_right=right >= 0,
+                                  has_sink_tokens=left >= 0 and sinks > 0)
+    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.TILE_N
     m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
     out = torch.zeros(3, m_blocks, dtype=torch.int32)
     for s_q, s_k in lengths:
@@ -1540,10 +1546,11 @@ def check_deterministic_turns(module, features: dict, lengths: list[tuple[int, i
 @cute.jit
 def score_gradients(module: cutlass.Constexpr, s: cute.Tensor, dp: cute.Tensor, lse: cute.Tensor, d: cute.Tensor,
                     scale_log2: Float32):
-    """probabilities_and_score_gradients on every MMA thread's registers: s [TILE_N, TILE_M] becomes P^T, dp dS^T."""
-    sdp_mma = sdp_tiled_mma(module)
+    """probabilities_and_score_gradients on every MMA thread's registers: s [TILE_N, Q tile] becomes P^T, dp dS^T
+    (the Q tile of s's shape)."""
+    sdp_mma = sdp_tiled_mma(module, s.shape[1])
     gradients = module.probabilities_and_score_gradients  # (a runtime loop may not carry the module)
-    shape = (module.TILE_N, module.TILE_M)
+    shape = (module.TILE_N, s.shape[1])
     for thread in range(MMA_THREADS):
         thr = sdp_mma.get_slice(thread)
         acc_s = thr.make_fragment_C(thr.partition_shape_C(shape))
@@ -1564,7 +1571,7 @@ def check_score_gradients(module) -> None:
     """P^T = exp2(S^T scale log2(e) - LSE) and dS^T = P^T (dP^T - D) for each (key, row), against float64, with
     masked scores (-inf) and a row that sees nothing (LSE +inf)."""
     gen = torch.Generator().manual_seed(11)
-    tile_n, tile_m = module.TILE_N, module.TILE_M
+    tile_n, tile_m = module.TILE_N, max(module.Q_TILE_ROWS.values())
     s = torch.randn(tile_n, tile_m, generator=gen) * 3
     s[:, 5] = -math.inf
     s[7, :] = -math.inf

@@ -25,7 +25,6 @@ from course.runtime.compile import (
 
 LOG2_E = math.log2(math.e)
 HEAD_DIMS = validation.BACKWARD_HEAD_DIMS
-TILE_M = 64  # the kernel's Q tile: D and the LSE are padded to a multiple of it
 KV_TILE = 128  # the kernel's KV tile: one CTA each
 
 
@@ -140,8 +139,9 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     post = launch.compiled((kernel_class.postprocess, *key),
                            lambda: postprocess_kernel_and_args(kernel_class, *key))
     scale = validation.resolve_scale(softmax_scale, shape.head_dim)
-    m_blocks = -(-shape.seqlen_q // TILE_M)
-    rows = (shape.batch, shape.heads_q, m_blocks * TILE_M)  # padded to whole Q tiles
+    tile_m = kernel_class.q_tile_rows[shape.head_dim]  # the kernel's Q tile: D and the LSE are padded to whole ones
+    m_blocks = -(-shape.seqlen_q // tile_m)
+    rows = (shape.batch, shape.heads_q, m_blocks * tile_m)
     device = q.device
     no_turns = torch.zeros((1, 1, 1), device=device, dtype=torch.int32)  # read only in deterministic mode
     # Deterministic and unmasked: each KV tile starts at its own Q tile (KeyTileMask.q_tile), which makes tiles
