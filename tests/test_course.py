@@ -144,6 +144,21 @@ def test_compile_report_reads_ptxas_serialized_wgmma_note():
     assert wgmma_serialized("ptxas info    : Used 168 registers, used 5 barriers\n") is None
 
 
+def test_status_flags_a_kernel_whose_wgmmas_ptxas_serialized():
+    """`course status` shows a compile whose WGMMAs ptxas serialized as such, not as a plain "yes"."""
+    from types import SimpleNamespace
+
+    from course.runtime.compile import CompileReport
+    from course.tools import cli
+
+    def module(note):
+        report = CompileReport(name="k", seconds=0.0, registers=168, spill_bytes=0, wgmma_serialized=note)
+        return SimpleNamespace(KERNEL_CONFIGS=[None], cross_compile_config=lambda config: report)
+
+    assert "serialized" in cli._compile_cell(module("C7514: wgmma.mma_async instructions are serialized due to ..."))
+    assert cli._compile_cell(module(None)).startswith("[green]yes[/]")
+
+
 def test_skeleton_differs_only_in_todo_regions():
     for stage in (s for s in stages.STAGES if s.ready):
         solution = stage.path("solutions").read_text().splitlines()

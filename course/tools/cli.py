@@ -46,6 +46,8 @@ def _compile_cell(module) -> str:
         return f"[yellow]TODO[/] in {_todo_name(error)}"
     except Exception as error:  # a learner's trace error is the useful thing to show
         return f"[red]fails[/]: {type(error).__name__}"
+    if report.wgmma_serialized:  # correct, and several times slower: the learner's loop should show it
+        return f"[yellow]serialized WGMMAs[/] ({report.wgmma_serialized.split(':')[0]}; see `course check`)"
     return f"[green]yes[/] ({report.registers} regs, {report.spill_bytes} B spill)"
 
 
