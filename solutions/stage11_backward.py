@@ -72,14 +72,6 @@ STAGE = 11
 # shared memory hold a step that wide (D = 64: S^T and dP^T take 64 registers each, dK and dV 32), else 64.
 Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64}
 # --8<-- [end:q_tile_rows]
-# Local memory a kernel may use. The deterministic D = 64 kernels with a left window bound keep one to three of
-# stmatrix's swizzled dS addresses in local memory (L1 hits, reloaded once per step), and how many moves with any
-# reordering of the code; the same code without the turns, and every other kernel, spills nothing.
-DETERMINISTIC_SPILL_BYTES_ALLOWED = 16
-
-
-def spill_bytes_allowed(config, deterministic: bool = False) -> int:
-    return DETERMINISTIC_SPILL_BYTES_ALLOWED if deterministic and config.head_dim == 64 and config.has_left else 0
 TILE_N = 128   # keys per CTA: 64 per MMA warpgroup
 Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
 MMA_WGS = 2
@@ -97,6 +89,15 @@ def swizzle_span(head_dim: int) -> int:
     part = head_dim // DQ_WARPGROUPS[head_dim]
     return head_dim if part & (part - 1) == 0 or part == head_dim else part
 # --8<-- [end:swizzle_span]
+
+# Local memory a kernel may use. The deterministic D = 64 kernels with a left window bound keep one to three of
+# stmatrix's swizzled dS addresses in local memory (L1 hits, reloaded once per step), and how many moves with any
+# reordering of the code; the same code without the turns, and every other kernel, spills nothing.
+DETERMINISTIC_SPILL_BYTES_ALLOWED = 16
+
+
+def spill_bytes_allowed(config, deterministic: bool = False) -> int:
+    return DETERMINISTIC_SPILL_BYTES_ALLOWED if deterministic and config.head_dim == 64 and config.has_left else 0
 
 
 class Barrier(IntEnum):
@@ -833,7 +834,7 @@ class AttentionBackward:
             cute.copy(tma_dk, bsK, bgK)
             cute.copy(tma_dv, bsV, bgV)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # every reduce-add and store has read its buffer
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the stores have read K's and V's buffers
 
 
 KERNEL_CONFIGS = backward.kernel_configs()
