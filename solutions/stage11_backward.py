@@ -64,7 +64,10 @@ from solutions.stage08_fa3_prefill import (
     rows_cols_view,
     warpgroup_gemm,
 )
-from solutions.stage10_varlen_prefill import attention  # noqa: F401 (the forward this stage differentiates)
+from solutions.stage10_varlen_prefill import (
+    attention,  # noqa: F401 (the forward this stage differentiates)
+    swizzled_address,
+)
 
 STAGE = 11
 # --8<-- [start:q_tile_rows]
@@ -76,9 +79,10 @@ TILE_N = 128   # keys per CTA: 64 per MMA warpgroup
 Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
 MMA_WGS = 2
 # --8<-- [start:swizzle_span]
-# Warpgroups that compute dQ = dS K, each a part of head_dim's columns (the other waits). At D = 80 a half (40
-# columns) would cut K's 16-column swizzle atoms, and narrower atoms cost more than the idle warpgroup (measured
-# on the page): one warpgroup computes all of dQ, as FlashAttention's Hopper backward does up to D = 96.
+# Warpgroups that compute dQ = dS K, each a part of the dQ tile (the other waits): 64 of its rows where the Q
+# tile has a block of 64 per warpgroup (128 rows at D = 64), else a part of head_dim's columns. At D = 80 a half
+# (40 columns) would cut K's 16-column swizzle atoms, and narrower atoms cost more than the idle warpgroup
+# (measured on the page): one warpgroup computes all of dQ, as FlashAttention's Hopper backward does up to D = 96.
 DQ_WARPGROUPS = {64: 2, 80: 1, 96: 2, 128: 2}
 
 
@@ -89,15 +93,6 @@ def swizzle_span(head_dim: int) -> int:
     part = head_dim // DQ_WARPGROUPS[head_dim]
     return head_dim if part & (part - 1) == 0 or part == head_dim else part
 # --8<-- [end:swizzle_span]
-
-# Local memory a kernel may use. The deterministic D = 64 kernels with a left window bound keep one to three of
-# stmatrix's swizzled dS addresses in local memory (L1 hits, reloaded once per step), and how many moves with any
-# reordering of the code; the same code without the turns, and every other kernel, spills nothing.
-DETERMINISTIC_SPILL_BYTES_ALLOWED = 16
-
-
-def spill_bytes_allowed(config, deterministic: bool = False) -> int:
-    return DETERMINISTIC_SPILL_BYTES_ALLOWED if deterministic and config.head_dim == 64 and config.has_left else 0
 
 
 class Barrier(IntEnum):
@@ -146,6 +141,38 @@ def ring_buffer(t: cute.Tensor, index: cutlass.Int32) -> cute.Tensor:
     first = t[(None,) * len(origin) + (0,)]
     stride = cute.crd2idx(origin + (1,), t.layout)
     return cute.make_tensor(first.iterator + cute.assume(index * stride, divby=stride), first.layout)
+
+
+# --8<-- [start:swizzled_store]
+@cute.jit
+def store_swizzled(src: cute.Tensor, dst: cute.Tensor, swizzle: cute.Swizzle, vector: cutlass.Constexpr = 2):
+    """``cute.autovec_copy(src, dst)`` for one thread's fragment ``dst`` of a buffer whose pointer carries
+    ``swizzle``, ``vector`` elements per store, with few address computations.
+
+    Copied element by element, each store's address is swizzled anew: three
+    integer instructions per store, on every step, as the compiler keeps no
+    register for them. The swizzle permutes the 16-byte pieces within each
+    period of 2^(B+M+S) bytes, so stores whole periods apart share a swizzled
+    address plus a constant (an immediate of the store): one swizzled address
+    per offset within the period (``swizzled_address``, stage 10).
+    """
+    element_bytes = dst.element_type.width // 8
+    period = 1 << (swizzle.num_bits + swizzle.num_base + swizzle.num_shift)
+    # this thread's first element on, as stored (the pointer's swizzle dropped)
+    plain = cute.make_tensor(cute.recast_ptr(dst.iterator, dtype=dst.element_type), cute.make_layout(period))
+    firsts = {}
+    for i in cutlass.range_constexpr(0, cute.size(dst), vector):
+        offset = cute.crd2idx(i, dst.layout) * element_bytes
+        assert cute.crd2idx(i + vector - 1, dst.layout) == cute.crd2idx(i, dst.layout) + vector - 1, \
+            "a store's elements must be contiguous"
+        within = offset % period
+        if cutlass.const_expr(within not in firsts):
+            firsts[within] = swizzled_address(plain, swizzle, within // element_bytes)
+        address = cute.make_ptr(dst.element_type, firsts[within] + (offset - within), cute.AddressSpace.smem,
+                                assumed_align=vector * element_bytes)
+        cute.autovec_copy(cute.make_tensor(src.iterator + i, cute.make_layout(vector)),
+                          cute.make_tensor(address, cute.make_layout(vector)))
+# --8<-- [end:swizzled_store]
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -298,8 +325,8 @@ def probabilities_and_score_gradients(acc_St: cute.Tensor, acc_dPt: cute.Tensor,
     """P^T = exp2(S^T scale_log2 - LSE_log2) into acc_St, then dS^T = P^T (dP^T - D) into acc_dPt.
 
     Columns are query rows: each column's LSE (log2 domain, +inf for a row
-    that saw nothing) and D come from shared memory. The caller waits for S
-    before and for dP between the two halves (``wait_dp``).
+    that saw nothing) and D come from shared memory. The caller has waited for
+    both products.
     """
     # [exercise 11] Every register of acc_St becomes P^T = exp2(S^T * scale_log2 - LSE) and every
     #   register of acc_dPt becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and
@@ -400,12 +427,13 @@ class ConvertDQ(RowPass):
 # --8<-- [end:preprocess]
 
 
-def rows_layout(dtype, shape: tuple, span: int | None = None) -> cute.ComposedLayout:
+def rows_layout(dtype, shape: tuple, span: int | None = None, order: tuple = (0, 1)) -> cute.ComposedLayout:
     """A swizzled (rows, columns) tile, columns contiguous, of the widest atom that ``span`` columns (by
-    default ``swizzle_span`` of the columns) allow."""
+    default ``swizzle_span`` of the columns) allow; the atoms follow one another down the rows first, or
+    along the columns first with ``order=(1, 0)``."""
     span = span or swizzle_span(shape[1])
     atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, span), dtype)
-    return cute.tile_to_shape(atom, shape, order=(0, 1))
+    return cute.tile_to_shape(atom, shape, order=order)
 
 
 def bhs_as_s_h_b(t: cute.Tensor) -> cute.Tensor:
@@ -475,11 +503,11 @@ class AttentionBackward:
         dkv_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS, 1, 1), (64, d),
             warpgroup.OperandSource.RMEM)
-        # dQ: the Q tile's 64 rows, warpgroup w owns part w of head_dim (DQ_WARPGROUPS); dS and K both M/N-major.
-        dq_wgs = DQ_WARPGROUPS[d]
+        # dQ: warpgroup w owns part w of the tile (dq_parts); dS and K both M/N-major.
+        row_parts, col_parts = self.dq_parts()
         dq_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (1, dq_wgs, 1),
-            (64, d // dq_wgs))
+            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (row_parts, col_parts, 1),
+            (64, d // col_parts))
         return sdp_mma, dkv_mma, dq_mma
 
     def smem_layouts(self):
@@ -489,15 +517,26 @@ class AttentionBackward:
         sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, self.tile_m, d), dtype, Q_STAGES)
         kv_layout = rows_layout(dtype, (TILE_N, d))
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, TILE_N), dtype, Q_STAGES)
-        sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, d))
+        sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, d), order=self.dq_atom_order())
         return sQ_layout, sdO_layout, kv_layout, kv_layout, sdS_layout, sdQ_layout
 
+    def dq_parts(self) -> tuple:
+        """(row parts, column parts) of the dQ tile, one part per dQ warpgroup: by rows where the Q tile has a
+        64-row block per warpgroup (each part then is a whole MMA of N = head_dim), else by columns."""
+        wgs = DQ_WARPGROUPS[self.head_dim]
+        return (wgs, 1) if self.tile_m == 64 * wgs else (1, wgs)
+
+    def dq_atom_order(self) -> tuple:
+        """The float32 dQ tile's swizzle atoms (``swizzle_span``) follow one another across the parts last, so
+        that each part is a contiguous piece of ``sdQ``, swizzled alike, that one reduce-add copies."""
+        return (1, 0) if self.dq_parts()[0] > 1 else (0, 1)
+
     def dq_part_layout(self):
-        """One dQ warpgroup's columns of the float32 dQ tile. The tile's swizzle atoms (``swizzle_span``) lay
-        whole atoms of columns one after another, so a part is a contiguous piece of ``sdQ``, swizzled alike,
-        that one reduce-add copies."""
+        """One dQ warpgroup's part of the float32 dQ tile in shared memory (``dq_parts``)."""
         d = self.head_dim
-        return rows_layout(cutlass.Float32, (self.tile_m, d // DQ_WARPGROUPS[d]), swizzle_span(d))
+        row_parts, col_parts = self.dq_parts()
+        return rows_layout(cutlass.Float32, (self.tile_m // row_parts, d // col_parts), swizzle_span(d),
+                           order=self.dq_atom_order())
 
     @cute.jit
     def define_shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
@@ -672,6 +711,7 @@ class AttentionBackward:
         per part. The MMA warpgroups only wait for their part's buffer; the adds, and in deterministic mode the
         turns, are this warp's."""
         dq_wgs = DQ_WARPGROUPS[self.head_dim]
+        row_parts, col_parts = self.dq_parts()
         part = cute.product_each(self.dq_part_layout().shape)
         one_cta = cute.make_layout(1)
         mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate)
@@ -685,15 +725,16 @@ class AttentionBackward:
                 # Part wg's last add (the groups complete in order) has read its buffer: hand it back.
                 cute.arch.cp_async_bulk_wait_group(dq_wgs - 1 - wg, read=True)
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY) + wg, number_of_threads=DQ_PART_THREADS)
-            gdQ = cute.local_tile(mdQ[None, None, head, batch], part, (m_block, None))
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], part, (None, None))
             if cutlass.const_expr(self.deterministic):
                 turns = mdQturns.iterator + cute.crd2idx((batch, head, m_block), mdQturns.layout)
                 wait_for_turn(turns, dq_turn(m_block))
             for wg in cutlass.range_constexpr(dq_wgs):
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL) + wg, number_of_threads=DQ_PART_THREADS)
-                sdQ_part = cute.local_tile(sdQ, part, (0, wg))
+                row, col = (wg, 0) if cutlass.const_expr(row_parts > 1) else (0, wg)
+                sdQ_part = cute.local_tile(sdQ, part, (row, col))
                 tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, one_cta, cute.group_modes(sdQ_part, 0, 2),
-                                                     cute.group_modes(gdQ[None, None, wg], 0, 2))
+                                                     cute.group_modes(gdQ[None, None, m_block * row_parts + row, col], 0, 2))
                 cute.copy(tma_dq, tQsdQ, tQgdQ)  # one elected lane issues it: the whole warp is here
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
@@ -747,6 +788,7 @@ class AttentionBackward:
         tdQrK = thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(transposed(sK)))  # K^T: (N = d, K = keys)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, d)))
         tdQsdQ = thr_dq.partition_C(sdQ)
+        dq_swizzle = self.smem_layouts()[5].inner
         # P^T and dS^T as 16-bit A operands, in the registers' order of S^T (stage 8's P)
         rP = cute.make_rmem_tensor_like(acc_St, self.dtype)
         tdVrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
@@ -792,7 +834,7 @@ class AttentionBackward:
                 # dQ into this warpgroup's part of the buffer while dK's MMAs run; the dQ warp adds it.
                 warpgroup.wait_group(1)
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY) + mma_wg, number_of_threads=DQ_PART_THREADS)
-                cute.autovec_copy(acc_dQ, tdQsdQ)
+                store_swizzled(acc_dQ, tdQsdQ, dq_swizzle)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL) + mma_wg,
                                          number_of_threads=DQ_PART_THREADS)
