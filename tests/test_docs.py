@@ -502,17 +502,19 @@ def test_the_landing_pages_stage_map_has_every_ready_stage():
 
 
 @pytest.mark.compiles
-def test_stage8_sass_listing_is_what_course_sass_prints(capsys):
-    """The page's SASS listing is the output of `python -m course sass 8` for the kernel as it is now."""
+@pytest.mark.parametrize("number", [8, 11])
+def test_sass_listing_is_what_course_sass_prints(capsys, number):
+    """A page's SASS listing is the output of `python -m course sass N` for the kernel as it is now."""
     from course.tools import sass
 
     if sass.tool_dir() is None:
         pytest.skip("cuobjdump is not installed: pip install -e '.[dev]' brings nvidia-cuda-cuobjdump")
-    sass.main(8)
+    sass.main(number)
     printed = capsys.readouterr().out
-    assert printed == (ROOT / "docs" / "results" / "stage08-sass.txt").read_text(), (
-        "docs/results/stage08-sass.txt is not what `python -m course sass 8` prints now; regenerate it with "
-        "`python -m course sass 8 > docs/results/stage08-sass.txt` and read the page's SASS paragraphs again")
+    listing = f"docs/results/stage{number:02d}-sass.txt"
+    assert printed == (ROOT / listing).read_text(), (
+        f"{listing} is not what `python -m course sass {number}` prints now; regenerate it with "
+        f"`python -m course sass {number} > {listing}` and read the page's SASS paragraphs again")
 
 
 ALL_PAGES = sorted((ROOT / "docs").rglob("*.md"))

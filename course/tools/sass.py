@@ -2,14 +2,17 @@
 
 A cross-compiled cubin (``course.runtime.compile.cross_compile(..., keep=True)``) is
 disassembled with ``cuobjdump -sass``. For every loop that issues HGMMA (the
-KV loops) this prints its length and instruction mix, and for every
-``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (``wgmma.wait_group 1``: wait for Q K^T,
-not for P V) how much of the softmax the compiler left before the following
-``wait_group 0``: the exponentials there run under the P V WGMMA, the ones
-after it do not. That is the number intra-warpgroup overlap is about.
+KV loops of a prefill stage, the loop over Q tiles of stage 11's backward) this
+prints its length and instruction mix, and for every
+``WARPGROUP.DEPBAR.LE gsb0, 0x1`` (``wgmma.wait_group 1``: in the prefill stages
+a wait for Q K^T, not for P V; in stage 11 for S^T, not for dP^T) how much of
+the exponentials the compiler left before the following ``wait_group 0``: those
+run under the other product, the ones after it do not. That is the number
+intra-warpgroup overlap is about.
 
     python -m course sass 8              # stage 8, fp16, D = 128, no mask and causal
     python -m course sass 8 --steps 2    # the kernel after step 2 of stage 8's ablation
+    python -m course sass 11             # stage 11's backward, bf16, D = 128 and 64, no mask
 
 cuobjdump and nvdisasm come with the CUDA toolkit, or from the package index
 (``nvidia-cuda-cuobjdump``, ``nvidia-cuda-nvdisasm``, in the dev extras).
@@ -79,23 +82,26 @@ def overlaps(code) -> list[Overlap]:
 
 def hgmma_loops(code) -> list[tuple[int, int, collections.Counter]]:
     """(first address, last address, instruction counts) of every loop (a backward branch) whose body issues
-    HGMMA."""
+    HGMMA. A backward branch from past a loop's end into its middle (the out-of-line retry of an mbarrier wait
+    jumping back) is not a loop."""
     loops = []
     for address, opcode, operands in code:
         target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
         if target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
             body = collections.Counter(op for a, op, _ in code if start <= a <= address)
-            if any(op.startswith("HGMMA") for op in body) and not any(start < s <= address for s, _, _ in loops):
+            contains = any(start < s <= address for s, _, _ in loops)
+            straddles = any(s < start <= e < address for s, e, _ in loops)
+            if any(op.startswith("HGMMA") for op in body) and not contains and not straddles:
                 loops.append((start, address, body))
     return loops
 
 
-def report(cubin: Path, title: str) -> str:
+def report(cubin: Path, title: str, loop_name: str = "KV loop") -> str:
     """Each KV loop with its instruction mix, and under it each stretch between a ``wait_group 1`` and the
     next ``wait_group 0`` inside it: how many of the loop's exponentials run while its P V is in flight.
     Loops with a ``SEL`` per score (a mask's select) are the masked ones; the one marked "no mask" is the
-    common case."""
+    common case. Other loops (``loop_name``, stage 11's) are not told apart by their mask."""
     code = disassemble(cubin)
     lines = [title]
     regions, loops = overlaps(code), hgmma_loops(code)
@@ -106,8 +112,8 @@ def report(cubin: Path, title: str) -> str:
     for start, _, body in loops:
         top = ", ".join(f"{op} {n}" for op, n in body.most_common(8))
         masked = body["SEL"] >= 32  # a mask selects each of a thread's 64 scores (and a few SEL are not masks)
-        lines.append(f"  KV loop at {start:#06x}{'' if masked else ' (no mask)'}: {sum(body.values())} "
-                     f"instructions; {top}")
+        label = " (no mask)" if loop_name == "KV loop" and not masked else ""
+        lines.append(f"  {loop_name} at {start:#06x}{label}: {sum(body.values())} instructions; {top}")
         for overlap in (r for r in regions if innermost(r) == start):
             lines.append(f"    between wait_group 1 (at {overlap.address:#06x}) and wait_group 0: {overlap.instructions} "
                          f"instructions, {overlap.exp2} of the loop's {body['MUFU.EX2']} MUFU.EX2, {overlap.max} FMNMX")
@@ -117,18 +123,29 @@ def report(cubin: Path, title: str) -> str:
     return "\n".join(lines)
 
 
-def main(number: int, steps: int | None = None) -> int:
-    from course.runtime import prefill, stages
-    from course.runtime.compile import cross_compile
+def kernels(number: int, steps: int | None = None) -> list[tuple]:
+    """(kernel, its fake arguments, config name) of what ``course sass N`` compiles: a prefill stage's kernel at
+    fp16, D = 128, without a mask and causal; stage 11's backward at bf16, D = 128 and 64, without a mask."""
+    from course.runtime import backward, prefill, stages
 
     module = stages.get(number).load("solutions")
+    if number == 11:
+        configs = (prefill.KernelConfig("bfloat16", 128), prefill.KernelConfig("bfloat16", 64))
+        return [(module.AttentionBackward(config), backward.fake_arguments(config), config.name) for config in configs]
     kernel_class = module.Attention
     if steps is not None:
         kernel_class = list(module.ABLATION.values())[steps - 1]
-    for config in (prefill.KernelConfig("float16", 128), prefill.KernelConfig("float16", 128, has_right=True)):
-        compiled = cross_compile(kernel_class(config), *prefill.fake_arguments(config),
-                                 name=f"sass_stage{number:02d}_{config.name}", keep=True)
+    configs = (prefill.KernelConfig("float16", 128), prefill.KernelConfig("float16", 128, has_right=True))
+    return [(kernel_class(config), prefill.fake_arguments(config), config.name) for config in configs]
+
+
+def main(number: int, steps: int | None = None) -> int:
+    from course.runtime.compile import cross_compile
+
+    loop_name = "loop over Q tiles" if number == 11 else "KV loop"
+    for kernel, arguments, config_name in kernels(number, steps):
+        compiled = cross_compile(kernel, *arguments, name=f"sass_stage{number:02d}_{config_name}", keep=True)
         resources = f"{compiled.registers} registers, {compiled.spill_bytes} B spilled"
-        print(report(Path(compiled.artifacts["cubin"]), f"stage {number} {kernel_class.__name__} {config.name} "
-                     f"({resources})"))
+        print(report(Path(compiled.artifacts["cubin"]), f"stage {number} {type(kernel).__name__} {config_name} "
+                     f"({resources})", loop_name))
     return 0
