@@ -132,9 +132,10 @@ def parser() -> argparse.ArgumentParser:
                           help="one tool (repeatable; default: all three)")
     sanitize.add_argument("--jobs", type=int, default=4, help="sanitizer processes at a time (default: 4)")
 
-    sass = sub.add_parser("sass", help="the KV loops of a stage's cross-compiled kernel in SASS (no GPU needed)",
-                          description="Cross-compile a stage for sm_90a and print the SASS of its KV loops: "
-                                      "the WGMMAs, their waits and the softmax instructions between them.")
+    sass = sub.add_parser("sass", help="the WGMMA loops of a stage's cross-compiled kernel in SASS (no GPU needed)",
+                          description="Cross-compile a stage for sm_90a and print the SASS of its WGMMA loops (the "
+                                      "KV loops of a prefill stage, stage 11's loop over Q tiles): the WGMMAs, "
+                                      "their waits and the exponentials between them.")
     sass.add_argument("stage", type=stage_number)
     sass.add_argument("--steps", type=int, default=None, help="stage 8: the kernel after this many of its steps")
 
