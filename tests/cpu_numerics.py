@@ -29,6 +29,7 @@ cannot run on a CPU: the TODOs that use them are checked by the GPU tests only.
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 from contextlib import contextmanager
@@ -1596,6 +1597,65 @@ def check_score_gradients(module) -> None:
             raise AssertionError(f"probabilities_and_score_gradients: {name} at (key {key}, row {row}) is "
                                  f"{got[key, row].item():.6g}; expected {expected[key, row].item():.6g}")
 
+
+
+@cute.jit
+def dq_fragment_offsets(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, threads: cutlass.Constexpr,
+                        offsets: cute.Tensor, swizzle_bits: cute.Tensor):
+    """For every thread of the dQ warpgroups, its dQ registers' element offsets in the float32 dQ tile (the
+    layout before its swizzle), in the order of ``thr_dq.partition_C(sdQ)``, which ``store_swizzled`` stores;
+    and the tile's swizzle Sw<B, M, S> as (B, M, S)."""
+    config = next(c for c in module.KERNEL_CONFIGS if c.head_dim == head_dim)
+    kernel = module.AttentionBackward(config)
+    _, _, dq_mma = kernel.tiled_mmas()
+    sdQ_layout = kernel.smem_layouts()[5]
+    swizzle = sdQ_layout.inner
+    swizzle_bits[0], swizzle_bits[1], swizzle_bits[2] = swizzle.num_bits, swizzle.num_base, swizzle.num_shift
+    tile = cute.make_identity_tensor((kernel.tile_m, head_dim))
+    for thread in range(threads):
+        coords = dq_mma.get_slice(thread).partition_C(tile)
+        for i in range(cute.size(coords)):
+            offsets[thread, i] = sdQ_layout.outer(coords[i])
+
+
+def check_dq_stores(module, head_dim: int) -> None:
+    """Stage 11's dQ stores into its swizzled float32 tile: the addresses ``store_swizzled`` computes (a swizzled
+    address per offset within the swizzle's period, plus whole periods) are the swizzled addresses of the
+    elements, and each warp's 8-byte store touches each shared-memory bank at most twice (two wavefronts, the
+    least 256 bytes take)."""
+    tile_m = module.Q_TILE_ROWS[head_dim]
+    threads = 128 * module.DQ_WARPGROUPS[head_dim]
+    per_thread = tile_m * head_dim // threads
+    offsets = torch.zeros(threads, per_thread, dtype=torch.int32)
+    swizzle_bits = torch.zeros(3, dtype=torch.int32)
+    args = (offsets, swizzle_bits)
+    compile_on_cpu(dq_fragment_offsets, (module, head_dim, threads), args)(*args)
+    bits, base, shift = (int(x) for x in swizzle_bits)
+    period = 1 << (bits + base + shift)
+
+    def swizzled(address):
+        return address ^ ((address >> shift) & (((1 << bits) - 1) << base))
+
+    where = f"D = {head_dim}, Q tiles of {tile_m} rows"
+    assert len({int(o) for o in offsets.flatten()}) == offsets.numel(), f"{where}: two threads store one element"
+    for thread in range(threads):
+        first = int(offsets[thread, 0]) * 4
+        for i in range(0, per_thread, 2):
+            offset = int(offsets[thread, i]) * 4 - first
+            assert int(offsets[thread, i + 1]) == int(offsets[thread, i]) + 1, \
+                f"{where}: thread {thread}'s registers {i}, {i + 1} are not adjacent floats (no 8-byte store)"
+            within = offset % period
+            assert swizzled(first + offset) == swizzled(first + within) + offset - within, \
+                f"{where}: thread {thread}, register {i}: whole swizzle periods do not commute with the swizzle"
+    for warp in range(threads // 32):
+        for i in range(0, per_thread, 2):
+            banks = collections.Counter()
+            for lane in range(32):
+                address = swizzled(int(offsets[warp * 32 + lane, i]) * 4)
+                banks.update((address // 4 % 32, address // 4 % 32 + 1))
+            assert max(banks.values()) <= 2, (
+                f"{where}: warp {warp}'s store of registers {i}, {i + 1} hits a bank {max(banks.values())} times "
+                "(bank conflicts: more than the two wavefronts 256 bytes need)")
 
 # ---------------------------------------------------------------- stage 9: the fragments, one warp emulated
 

@@ -265,5 +265,12 @@ def test_on_cpu_deterministic_turns(stage, mask, rotate, head_dim):
 
 
 @pytest.mark.compiles
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_on_cpu_dq_stores_are_swizzled_right_without_bank_conflicts(stage, head_dim):
+    """store_swizzled's addresses are the dQ tile's swizzled ones, and a warp's 8-byte stores take two wavefronts."""
+    cpu_numerics.check_dq_stores(stage, head_dim)
+
+
+@pytest.mark.compiles
 def test_on_cpu_probabilities_and_score_gradients(stage):
     cpu_numerics.check_score_gradients(stage)
