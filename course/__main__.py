@@ -157,6 +157,11 @@ def parser() -> argparse.ArgumentParser:
     notebooks.add_argument("--force", action="store_true",
                            help="without a GPU, write over docs/notebooks-executed/ all the same (its copies "
                                 "then show CPU skip messages instead of the GPU cells' outputs)")
+    notebooks.add_argument("--only", action="append", metavar="NAME",
+                           help="only this notebook (its file name without .ipynb, e.g. 11_backward; repeatable)")
+    notebooks.add_argument("--in-process", action="store_true",
+                           help="run the cells in this Python process, one namespace, instead of a Jupyter kernel "
+                                "(for a machine without one): stdout, stderr and figures become the outputs")
 
     sub.add_parser("diffs", help="regenerate docs/diffs/ (what each stage changes in the previous solution)",
                    description="Write docs/diffs/stageNN-stageMM.diff for every prefill solution against the one "
@@ -261,7 +266,12 @@ def main(argv=None) -> int:
                   "site shows; run here, they would hold CPU skip messages instead. Write elsewhere with "
                   "--out DIR, or replace them anyway with --force.")
             return 1
-        for path in notebooks_mod.write_executed(out_dir):
+        try:
+            written = notebooks_mod.write_executed(out_dir, args.only, args.in_process)
+        except ValueError as error:  # a name --only does not know
+            print(error)
+            return 2
+        for path in written:
             print(f"wrote {path}")
         return 0
     if args.command == "diffs":

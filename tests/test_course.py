@@ -651,6 +651,46 @@ def test_executing_notebooks_without_a_gpu_keeps_the_sites_copies(monkeypatch, c
     assert "--out DIR" in capsys.readouterr().out
 
 
+def test_notebooks_execute_in_process(tmp_path):
+    """`course notebooks --execute --in-process` (for a machine without a Jupyter kernel) runs the code cells in
+    one namespace from the notebook's folder: stdout and stderr become stream outputs, a figure an image; a cell
+    that raises stops the run."""
+    import nbformat
+
+    from course.tools import notebooks
+
+    cells = [nbformat.v4.new_markdown_cell("# title"),
+             nbformat.v4.new_code_cell("import sys\nfrom pathlib import Path\nx = 6\nprint(x * 7)\n"
+                                       "print('careful', file=sys.stderr)\nprint(Path.cwd().name)"),
+             nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([x, 1])\nplt.show()"),
+             nbformat.v4.new_code_cell("raise ValueError('stop here')"),
+             nbformat.v4.new_code_cell("print('never')")]
+    folder = tmp_path / "workshop"
+    folder.mkdir()
+    path = folder / "demo.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    with pytest.raises(ValueError, match="stop here"):
+        notebooks.execute(path, in_process=True)
+    cells[3].source = "y = x + 1"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+    run = notebooks.execute(path, in_process=True)
+    first, plot, third, last = (cell for cell in run.cells if cell.cell_type == "code")
+    assert [(o.output_type, o.get("name"), o.get("text")) for o in first.outputs] == [
+        ("stream", "stdout", "42\n"), ("stream", "stderr", "careful\n"), ("stream", "stdout", "workshop\n")]
+    assert [o.output_type for o in plot.outputs] == ["display_data"] and "image/png" in plot.outputs[0].data
+    assert third.outputs == [] and last.outputs[0].text == "never\n"
+    assert [c.execution_count for c in (first, plot, third, last)] == [1, 2, 3, 4]
+    nbformat.validate(run)
+
+
+def test_notebooks_only_names_a_notebook(tmp_path, capsys):
+    """`course notebooks --execute --only NAME` with a name no notebook has says which there are, running none."""
+    assert main(["notebooks", "--execute", "--only", "11_backwards", "--out", str(tmp_path)]) == 2
+    printed = capsys.readouterr().out
+    assert "no notebook named 11_backwards" in printed and "there are: 01_single_tile" in printed
+    assert not list(tmp_path.iterdir())
+
+
 def test_reset_backups_are_ignored_by_git():
     """`course reset` and `course skeletons --force` keep the learner's file next to the skeleton: git
     ignores those backups, so they never show as untracked work."""
