@@ -162,9 +162,9 @@ def store_swizzled(src: cute.Tensor, dst: cute.Tensor, swizzle: cute.Swizzle, ve
     plain = cute.make_tensor(cute.recast_ptr(dst.iterator, dtype=dst.element_type), cute.make_layout(period))
     firsts = {}
     for i in cutlass.range_constexpr(0, cute.size(dst), vector):
-        offset = cute.crd2idx(i, dst.layout) * element_bytes
-        assert cute.crd2idx(i + vector - 1, dst.layout) == cute.crd2idx(i, dst.layout) + vector - 1, \
-            "a store's elements must be contiguous"
+        index = cute.crd2idx(i, dst.layout)
+        assert cute.crd2idx(i + vector - 1, dst.layout) == index + vector - 1, "a store's elements must be contiguous"
+        offset = index * element_bytes
         within = offset % period
         if cutlass.const_expr(within not in firsts):
             firsts[within] = swizzled_address(plain, swizzle, within // element_bytes)
@@ -733,8 +733,9 @@ class AttentionBackward:
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL) + wg, number_of_threads=DQ_PART_THREADS)
                 row, col = (wg, 0) if cutlass.const_expr(row_parts > 1) else (0, wg)
                 sdQ_part = cute.local_tile(sdQ, part, (row, col))
+                gdQ_part = gdQ[None, None, m_block * row_parts + row, col]
                 tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, one_cta, cute.group_modes(sdQ_part, 0, 2),
-                                                     cute.group_modes(gdQ[None, None, m_block * row_parts + row, col], 0, 2))
+                                                     cute.group_modes(gdQ_part, 0, 2))
                 cute.copy(tma_dq, tQsdQ, tQgdQ)  # one elected lane issues it: the whole warp is here
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):

@@ -1598,7 +1598,6 @@ def check_score_gradients(module) -> None:
                                  f"{got[key, row].item():.6g}; expected {expected[key, row].item():.6g}")
 
 
-
 @cute.jit
 def dq_fragment_offsets(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, threads: cutlass.Constexpr,
                         offsets: cute.Tensor, swizzle_bits: cute.Tensor):
@@ -1656,6 +1655,7 @@ def check_dq_stores(module, head_dim: int) -> None:
             assert max(banks.values()) <= 2, (
                 f"{where}: warp {warp}'s store of registers {i}, {i + 1} hits a bank {max(banks.values())} times "
                 "(bank conflicts: more than the two wavefronts 256 bytes need)")
+
 
 # ---------------------------------------------------------------- stage 9: the fragments, one warp emulated
 
