@@ -36,7 +36,8 @@ sink, LSE, GQA, fp16/bf16, any lengths), and ``merge_attention_states`` is
 stage 6's, unchanged. The head dims grow to those models use: 64, 80, 96, 128,
 192, 256 and (192, 128) for (Q and K, V); ``TILES`` picks the KV tile of
 each, as wide as shared memory allows (from D = 192 up with O's buffers in
-Q's bytes, so the producer loads a CTA's next Q after its O stores).
+Q's bytes, so the producer loads a CTA's next Q after its O stores) and, at
+D = 80 and 96, as registers allow once P V reads P from shared memory.
 
 Run it:
     python -m course check 8 --impl solutions    # this stage's tests
@@ -82,6 +83,9 @@ class Tiles:
     # O's buffers are the Q tile's bytes, each warpgroup's in its own 64 rows: no Q K^T reads them after the
     # tile's last one, and the producer loads the next Q once the O stores have read them (wide head dims).
     o_in_q: bool = False
+    # P V reads P from shared memory instead of registers: P(j - 1) then holds no register while softmax(j)
+    # runs, which leaves room for wider KV tiles at three warpgroups (SharedP).
+    p_in_smem: bool = False
 
     def keys_per_tile(self, has_left: bool) -> int:
         return self.windowed_tile_n if has_left and self.windowed_tile_n else self.tile_n
@@ -90,11 +94,12 @@ class Tiles:
 # By head dims (D_qk, D_v), chosen by measurement (course.tools.tile_variants; the page's "what decides the
 # tiles"). Shared memory bounds tile_n: Q, the K and V rings and the O buffers must fit (shared_bytes), so the
 # wider the rows, the fewer keys per tile. Registers bound the warpgroups: three (192-row Q tiles, FA3's choice below D = 128) have 160 each
-# (REGISTERS), enough for S, P and O of a 128-key tile at D = 64 but not for a left window's bounds as well.
+# (REGISTERS), enough for S, P and O of a 128-key tile at D = 64 but not for a left window's bounds as well;
+# at D = 80 and 96 a 128-key tile fits only with P in shared memory.
 TILES = {
     (64, 64): Tiles(3, 128, windowed_tile_n=96),
-    (80, 80): Tiles(3, 80),
-    (96, 96): Tiles(3, 96),
+    (80, 80): Tiles(3, 128, windowed_tile_n=112, p_in_smem=True),
+    (96, 96): Tiles(3, 128, windowed_tile_n=96, p_in_smem=True),
     (128, 128): Tiles(2, 128),
     (192, 128): Tiles(2, 128, o_in_q=True),
     (192, 192): Tiles(2, 112, o_in_q=True),
@@ -120,11 +125,13 @@ def spill_bytes_allowed(config: prefill.KernelConfig) -> int:
 
 
 def shared_bytes(head_dim: int, head_dim_v: int, tiles: Tiles, dtype_bytes: int = 2) -> int:
-    """The kernel's buffers: the Q tile, KV_STAGES K and V tiles, and one 64-row O buffer per MMA warpgroup
-    (none with ``o_in_q``: O takes Q's bytes)."""
+    """The kernel's buffers: the Q tile, KV_STAGES K and V tiles, one 64-row O buffer per MMA warpgroup
+    (none with ``o_in_q``: O takes Q's bytes) and, with ``p_in_smem``, P's tile."""
     tile_m = 64 * tiles.mma_warpgroups
     o_elements = 0 if tiles.o_in_q else tile_m * head_dim_v
-    return (tile_m * head_dim + KV_STAGES * tiles.tile_n * (head_dim + head_dim_v) + o_elements) * dtype_bytes
+    p_elements = tile_m * tiles.tile_n if tiles.p_in_smem else 0
+    return (tile_m * head_dim + KV_STAGES * tiles.tile_n * (head_dim + head_dim_v) + o_elements
+            + p_elements) * dtype_bytes
 # --8<-- [end:tiles]
 SCHEDULER_THREADS = 256  # a ping-pong barrier: the MMA warpgroup that waits and the one that passes
 LOG2_E = math.log2(math.e)
@@ -205,6 +212,41 @@ def acc_layout_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
             (split.stride[0][2][1], split.stride[2]),
         ),
     )
+
+
+# --8<-- [start:shared_p]
+class SharedP:
+    """P when the P V WGMMA reads it from shared memory (``Tiles.p_in_smem``): ``store`` takes the place of
+    ``rP.store``, so the loops read the same either way.
+
+    It converts P to 16 bits in registers, writes this thread's values to the Q tile's rows in ``sP``
+    with stmatrix, and makes them visible to the WGMMA, which reads shared memory through the async
+    proxy (a proxy fence). Each warp's share of a 64-row WGMMA reads only the 16 rows of A that warp
+    wrote, so a warp sync is all the ordering the warps need, not a warpgroup barrier (FA3's rule).
+    The registers are dead once written: softmax(j + 1) runs with no P held in them.
+    """
+
+    def __init__(self, registers: cute.Tensor, store_atom: cute.CopyAtom, thr_store, tPsP: cute.Tensor):
+        self.registers, self.store_atom, self.thr_store, self.tPsP = registers, store_atom, thr_store, tPsP
+        self.element_type = registers.element_type
+
+    # The loops call rP.store under runtime branches and loops, so the DSL carries rP through them as it
+    # does a tensor: by its two tensors' values (the copy atom and the thread's slice of it stay as they are).
+    def __extract_mlir_values__(self):
+        return [*cutlass.extract_mlir_values(self.registers), *cutlass.extract_mlir_values(self.tPsP)]
+
+    def __new_from_mlir_values__(self, values):
+        n = len(cutlass.extract_mlir_values(self.registers))
+        return SharedP(cutlass.new_from_mlir_values(self.registers, values[:n]), self.store_atom, self.thr_store,
+                       cutlass.new_from_mlir_values(self.tPsP, values[n:]))
+
+    @cute.jit
+    def store(self, p: cute.TensorSSA):
+        self.registers.store(p)
+        cute.copy(self.store_atom, self.thr_store.retile(self.registers), self.tPsP)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+# --8<-- [end:shared_p]
 
 
 @cute.jit
@@ -942,6 +984,7 @@ class Attention:
         # The O tile's rows per shared-memory buffer, and its buffers (smem_layouts)
         self.o_rows, self.o_buffers = (64, self.num_wgs) if self.steps >= Step.EPILOGUE else (self.tile_m, 1)
         self.o_in_q = tiles.o_in_q and self.steps >= Step.EPILOGUE  # (a warpgroup's rows of Q: Step.EPILOGUE's)
+        self.p_in_smem = tiles.p_in_smem
 
     # Every prefill stage has this signature, so one host function (course.runtime.prefill) compiles and
     # launches them all; a stage ignores the arguments of features it does not have yet.
@@ -991,10 +1034,10 @@ class Attention:
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K,
             cutlass.Float32, (self.num_wgs, 1, 1), (64, n),
         )
-        # O = P V: P from registers (K-major), V MN-major (head_dim contiguous).
+        # O = P V: P from registers (K-major; from shared memory with p_in_smem), V MN-major (head_dim contiguous).
         pv_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN,
-            cutlass.Float32, (self.num_wgs, 1, 1), (64, dv), warpgroup.OperandSource.RMEM,
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (self.num_wgs, 1, 1), (64, dv),
+            warpgroup.OperandSource.SMEM if self.p_in_smem else warpgroup.OperandSource.RMEM,
         )
         # One warpgroup's share of P V: how its threads hold their 64 rows of O (for the epilogue).
         pv_mma_wg = sm90_utils.make_trivial_tiled_mma(
@@ -1021,6 +1064,12 @@ class Attention:
                 cute.get(tiles.outer, mode=[0]), cute.get(tiles.outer, mode=[1, 0])))
         return sQ_layout, sK_layout, sV_layout, sO_layout
 
+    def p_layout(self):
+        """P's tile in shared memory (``p_in_smem``): the A operand of P V, K-major like Q."""
+        tile = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (self.tile_m, self.head_dim_v, self.tile_n),
+                                             self.dtype, 1)
+        return cute.slice_(tile, (None, None, 0))
+
     @cute.jit  # (traced: the struct's annotations are evaluated, which `from __future__ import annotations` defers)
     def define_shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory (``self.shared_storage``) and the bytes one Q, K and V tile load brings."""
@@ -1035,6 +1084,8 @@ class Attention:
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[dtype, 0 if self.o_in_q else cute.cosize(sO_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(self.p_layout()) if self.p_in_smem else 0],
+                                  1024]
 
         self.shared_storage = SharedStorage
         one_stage = (None, None, 0)
@@ -1079,7 +1130,7 @@ class Attention:
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
 
         storage = SmemAllocator().allocate(self.shared_storage)
-        sQ, sK, sV, sO = self.shared_tensors(storage, sQ_layout, sK_layout, sV_layout, sO_layout)
+        sQ, sK, sV, sO, sP = self.shared_tensors(storage, sQ_layout, sK_layout, sV_layout, sO_layout)
         pipeline_q, pipeline_k, pipeline_v = self.make_pipelines(storage)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -1094,7 +1145,7 @@ class Attention:
         if warpgroup_idx > 0:
             cute.arch.setmaxregister_increase(REGISTERS[self.num_wgs][1])
             self.mma(self.scheduler(mQ, mK), qk_mma, pv_mma, pv_mma_wg, tma_o, mQ, mK, mO, mLSE, mSinks, sQ, sK, sV, sO,
-                     pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left, window_right, num_sink_tokens,
+                     sP, pipeline_q, pipeline_k, pipeline_v, scale_log2, window_left, window_right, num_sink_tokens,
                      write_lse)
         else:
             cute.arch.setmaxregister_decrease(REGISTERS[self.num_wgs][0])
@@ -1103,10 +1154,28 @@ class Attention:
                           pipeline_v, window_left, window_right, num_sink_tokens)
 
     def shared_tensors(self, storage, sQ_layout, sK_layout, sV_layout, sO_layout):
-        """sQ, sK, sV, sO: the buffers of ``storage`` with their swizzled layouts (sO in sQ's bytes with ``o_in_q``)."""
-        return tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
+        """sQ, sK, sV, sO, sP: the buffers of ``storage`` with their swizzled layouts (sO in sQ's bytes with
+        ``o_in_q``; sP None without ``p_in_smem``)."""
+        sP = None
+        if cutlass.const_expr(self.p_in_smem):
+            p_layout = self.p_layout()
+            sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        return (*(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
             (storage.sQ, sQ_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
-            (storage.sQ if self.o_in_q else storage.sO, sO_layout)))
+            (storage.sQ if self.o_in_q else storage.sO, sO_layout))), sP)
+
+    def p_operand(self, qk_mma: cute.TiledMma, wg_pv, acc_S: cute.Tensor, sP, mma_tidx: cutlass.Int32):
+        """(rP, tOrP): where the softmax leaves P (``rP.store``) and the A operand the P V WGMMA reads. Both are
+        the same registers, viewed as S's fragment and as P V's; with ``p_in_smem``, rP is a ``SharedP`` that
+        also writes sP, and tOrP is the WGMMA's view of sP."""
+        registers = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        if cutlass.const_expr(not self.p_in_smem):
+            return registers, cute.make_tensor(registers.iterator, acc_layout_as_operand_a(registers.layout))
+        # stmatrix, as the epilogue writes O: P has the layout of S's accumulator.
+        store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, cutlass.Float32)
+        thr_store = cute.make_tiled_copy_C(store_atom, qk_mma).get_slice(mma_tidx)
+        shared = SharedP(registers, store_atom, thr_store, thr_store.partition_D(sP))
+        return shared, wg_pv.make_fragment_A(wg_pv.partition_A(sP))
 
     def make_pipelines(self, storage):
         """The Q, K and V pipelines, on the mbarriers of ``storage``."""
@@ -1199,7 +1268,7 @@ class Attention:
     @cute.jit
     def mma(self, scheduler: TileScheduler, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, pv_mma_wg: cute.TiledMma,
             tma_o: cute.CopyAtom, mQ: cute.Tensor, mK: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-            mSinks: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
+            mSinks: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor, sP,
             pipeline_q, pipeline_k, pipeline_v, scale_log2: cutlass.Float32, window_left: cutlass.Int32,
             window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, write_lse: cutlass.Int32):
         """An MMA warpgroup: 64 rows of every tile of this CTA."""
@@ -1208,17 +1277,20 @@ class Attention:
         mma_tidx = tidx - 128
         mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
         wg_tidx = mma_tidx % 128
+        # Operands in shared memory are a whole warpgroup's. Sliced at the warpgroup's first thread, a warp-uniform
+        # index, their WGMMA descriptors stay in uniform registers; that pays with P in shared memory (a third
+        # descriptor per P V) and not with P in registers, where ptxas then schedules the loop worse (the page).
+        operand_thread = mma_wg * 128 if self.p_in_smem else mma_tidx
+        wg_qk, wg_pv = qk_mma.get_slice(operand_thread), pv_mma.get_slice(operand_thread)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, N, K, KV_STAGES)
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))  # (MMA, N, K, KV_STAGES)
         thr_qk = qk_mma.get_slice(mma_tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, N, K, KV_STAGES)
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
         tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        thr_pv = pv_mma.get_slice(mma_tidx)
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))  # (MMA, N, K, KV_STAGES)
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, dv)))
+        acc_O = wg_pv.make_fragment_C(wg_pv.partition_shape_C((self.tile_m, dv)))
         # P lives here from its softmax to its P V, which may be one iteration later (Step.OVERLAP).
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
+        rP, tOrP = self.p_operand(qk_mma, wg_pv, acc_S, sP, mma_tidx)
         rows = cute.size(rows_cols_view(acc_S), mode=[0])
         row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)

@@ -70,7 +70,6 @@ from solutions.stage08_fa3_prefill import (  # noqa: F401 (stage 8's kernel, sol
     Step,
     TileScheduler,
     WindowMask,
-    acc_layout_as_operand_a,
     attend_kv_tiles_overlapped,
     bshd_as_dim_rows,
     bshd_as_rows_dim,
@@ -572,7 +571,7 @@ class VarlenAttention(Attention):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
         storage = SmemAllocator().allocate(self.shared_storage)
-        sQ, sK, sV, sO = self.shared_tensors(storage, sQ_layout, sK_layout, sV_layout, sO_layout)
+        sQ, sK, sV, sO, sP = self.shared_tensors(storage, sQ_layout, sK_layout, sV_layout, sO_layout)
         pipeline_q, pipeline_k, pipeline_v = self.make_pipelines(storage)
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -586,7 +585,7 @@ class VarlenAttention(Attention):
         if warpgroup_idx > 0:
             cute.arch.setmaxregister_increase(self.registers[1])
             self.mma(self.varlen_scheduler(mQ, mCuSeqlensQ), qk_mma, pv_mma, pv_mma_wg, tma_o, mQ, mK, tma_mO, mO,
-                     mLSE, mSinks, sequences, sK, sQ, sV, sO, pipeline_q, pipeline_k, pipeline_v, scale_log2, window,
+                     mLSE, mSinks, sequences, sK, sQ, sV, sO, sP, pipeline_q, pipeline_k, pipeline_v, scale_log2, window,
                      write_lse, mAlibi)
         else:
             cute.arch.setmaxregister_decrease(self.registers[0])
@@ -688,7 +687,7 @@ class VarlenAttention(Attention):
     def mma(self, scheduler: VarlenTileScheduler, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
             pv_mma_wg: cute.TiledMma, tma_o: cute.CopyAtom, mQ: cute.Tensor, mK: cute.Tensor, tma_mO: cute.Tensor,
             mO: cute.Tensor, mLSE: cute.Tensor, mSinks: cute.Tensor, sequences, sK: cute.Tensor, sQ: cute.Tensor,
-            sV: cute.Tensor, sO: cute.Tensor, pipeline_q, pipeline_k, pipeline_v, scale_log2: cutlass.Float32,
+            sV: cute.Tensor, sO: cute.Tensor, sP, pipeline_q, pipeline_k, pipeline_v, scale_log2: cutlass.Float32,
             window, write_lse: cutlass.Int32, mAlibi: cute.Tensor):
         """An MMA warpgroup: stage 8's, with each tile's sequence, and O rows stored only inside it."""
         mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBlockTable = sequences
@@ -698,16 +697,16 @@ class VarlenAttention(Attention):
         mma_tidx = tidx - 128
         mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
         wg_tidx = mma_tidx % 128
+        operand_thread = mma_wg * 128 if self.p_in_smem else mma_tidx  # (stage 8's choice)
+        wg_qk, wg_pv = qk_mma.get_slice(operand_thread), pv_mma.get_slice(operand_thread)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
         thr_qk = qk_mma.get_slice(mma_tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
         tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        thr_pv = pv_mma.get_slice(mma_tidx)
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, dv)))
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        tOrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
+        acc_O = wg_pv.make_fragment_C(wg_pv.partition_shape_C((self.tile_m, dv)))
+        rP, tOrP = self.p_operand(qk_mma, wg_pv, acc_S, sP, mma_tidx)
         rows = cute.size(rows_cols_view(acc_S), mode=[0])
         row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)

@@ -947,7 +947,7 @@ def test_tile_variants_render_shares_of_fa4_with_the_chosen_tiling_in_bold(tmp_p
     for section in tile_variants.VARIANTS.values():
         for dims, variants in section.items():
             chosen = stage.TILES[dims]
-            assert (chosen.mma_warpgroups, chosen.tile_n, *((True,) if chosen.o_in_q else ())) in variants, (dims, chosen)
+            assert tile_variants.tiling_of(chosen) in variants, (dims, chosen)
             for tiling in variants:
                 assert stage.shared_bytes(*dims, tile_variants.tiles_of(stage, tiling)) <= stage.SMEM_BYTES, tiling
     results = {"environment": {"gpu": "H100"}, "tilings": [

@@ -5,7 +5,7 @@
     python -m course.tools.tile_variants --render             # stage08-tilings.json -> the tables, on any machine
 
 Each variant is stage 8's kernel compiled with a forced ``Tiles`` (``Attention.forced_tiles``: MMA
-warpgroups x keys per KV tile, and from D = 192 up whether O takes Q's bytes) and timed by
+warpgroups x keys per KV tile, whether P V reads P from shared memory, and whether O takes Q's bytes) and timed by
 ``bench.time_prefill_shape`` next to FlashAttention-4 and SDPA's cuDNN backend on the same inputs, in the
 same rounds: fp16, causal and not, at the head dims where more than one tiling fits. Each table gives each
 variant's TFLOP/s as a share of FA4's, the tiling ``TILES`` chooses in bold. Never edit the outputs by hand.
@@ -21,17 +21,19 @@ from course.tools import bench
 
 DEFAULT_OUT = bench.DEFAULT_OUT
 JSON = "stage08-tilings.json"
-# (MMA warpgroups, keys per KV tile[, O in Q's bytes]) per (D, D_v), each within shared memory
+P_IN_SMEM, O_IN_Q = "P in smem", "O in Q"  # Tiles.p_in_smem, Tiles.o_in_q
+# (MMA warpgroups, keys per KV tile, *options) per (D, D_v), each within shared memory
 VARIANTS = {
     "tilings": {
         (64, 64): [(2, 128), (2, 160), (2, 192), (3, 80), (3, 96), (3, 112), (3, 128)],
-        (80, 80): [(2, 128), (2, 160), (3, 80)],
-        (96, 96): [(2, 128), (2, 160), (3, 80), (3, 96)],
+        (80, 80): [(2, 128), (2, 160), (3, 80), (3, 128, P_IN_SMEM), (3, 144, P_IN_SMEM), (3, 160, P_IN_SMEM)],
+        (96, 96): [(2, 128), (2, 160), (3, 80), (3, 96), (3, 128, P_IN_SMEM), (3, 144, P_IN_SMEM, O_IN_Q),
+                   (3, 160, P_IN_SMEM, O_IN_Q)],
     },
     "wide head dims": {  # the widest tile with O buffers of its own, then narrower and wider ones with O in Q
-        (192, 128): [(2, 112), (2, 96, True), (2, 128, True)],
-        (192, 192): [(2, 80), (2, 96, True), (2, 112, True)],
-        (256, 256): [(2, 48), (2, 64, True), (2, 80, True)],
+        (192, 128): [(2, 112), (2, 96, O_IN_Q), (2, 128, O_IN_Q)],
+        (192, 192): [(2, 80), (2, 96, O_IN_Q), (2, 112, O_IN_Q)],
+        (256, 256): [(2, 48), (2, 64, O_IN_Q), (2, 80, O_IN_Q)],
     },
 }
 TABLES = {"tilings": "stage08-tilings.md", "wide head dims": "stage08-tilings-wide.md"}
@@ -55,17 +57,19 @@ def section_shapes(section: str) -> list[PrefillShape]:
 PEERS = ("FA4", "SDPA cuDNN")
 
 
-def o_in_q(tiling) -> bool:
-    return tiling[2:] == (True,)
-
-
 def variant_name(tiling) -> str:
-    return f"{tiling[0]} x {tiling[1]}" + (", O in Q" if o_in_q(tiling) else "")
+    return ", ".join((f"{tiling[0]} x {tiling[1]}", *tiling[2:]))
+
+
+def tiling_of(tiles) -> tuple:
+    """A stage's ``Tiles`` as a tiling of VARIANTS (its windowed width aside)."""
+    return (tiles.mma_warpgroups, tiles.tile_n, *((P_IN_SMEM,) if tiles.p_in_smem else ()),
+            *((O_IN_Q,) if tiles.o_in_q else ()))
 
 
 def tiles_of(stage, tiling):
     """``tiling`` as the stage's ``Tiles``."""
-    return stage.Tiles(tiling[0], tiling[1], o_in_q=o_in_q(tiling))
+    return stage.Tiles(tiling[0], tiling[1], o_in_q=O_IN_Q in tiling[2:], p_in_smem=P_IN_SMEM in tiling[2:])
 
 
 @cache
@@ -75,8 +79,8 @@ def variant(stage, tiling: tuple):
     from course.runtime import prefill
 
     tiles = tiles_of(stage, tiling)
-    kernel_class = type(f"Attention{tiling[0]}x{tiling[1]}{'q' if tiles.o_in_q else ''}", (stage.Attention,),
-                        {"forced_tiles": tiles})
+    suffix = ("p" if tiles.p_in_smem else "") + ("q" if tiles.o_in_q else "")
+    kernel_class = type(f"Attention{tiling[0]}x{tiling[1]}{suffix}", (stage.Attention,), {"forced_tiles": tiles})
     return partial(prefill.attention, stage.STAGE, kernel_class)
 
 
@@ -114,7 +118,7 @@ def table(results: dict, section: str = "tilings") -> str:
              "|---|" + "---:|" * (len(names) + 2)]
     for row in results.get(section, []):
         tiling = tiles[row["head_dim"], row.get("head_dim_v", row["head_dim"])]
-        chosen = variant_name((tiling.mma_warpgroups, tiling.tile_n, tiling.o_in_q))
+        chosen = variant_name(tiling_of(tiling))
         fa4 = row["tflops"].get("FA4")
         cells = [f"{fa4:.0f}" if fa4 else "-", *(_share(row, name, chosen) for name in ("SDPA cuDNN", *names))]
         lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
