@@ -267,10 +267,11 @@ def main(argv=None) -> int:
                   "--out DIR, or replace them anyway with --force.")
             return 1
         try:
-            written = notebooks_mod.write_executed(out_dir, args.only, args.in_process)
+            notebooks_mod.notebooks(args.only)  # before any cell runs: a ValueError from a cell is not a bad name
         except ValueError as error:  # a name --only does not know
             print(error)
             return 2
+        written = notebooks_mod.write_executed(out_dir, args.only, args.in_process)
         for path in written:
             print(f"wrote {path}")
         return 0

@@ -691,6 +691,20 @@ def test_notebooks_only_names_a_notebook(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_notebooks_cli_passes_on_a_cells_error(tmp_path, monkeypatch):
+    """A ValueError raised by a notebook's cell is the cell's, not an unknown --only name: the CLI lets it
+    through (with its traceback) instead of printing the notebook list and exiting 2."""
+    import nbformat
+
+    from course.tools import notebooks
+
+    monkeypatch.setattr(notebooks, "NOTEBOOK_DIR", tmp_path)
+    cells = [nbformat.v4.new_code_cell("raise ValueError('a cell failed')")]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "demo.ipynb")
+    with pytest.raises(ValueError, match="a cell failed"):
+        main(["notebooks", "--execute", "--only", "demo", "--in-process", "--out", str(tmp_path / "out")])
+
+
 def test_reset_backups_are_ignored_by_git():
     """`course reset` and `course skeletons --force` keep the learner's file next to the skeleton: git
     ignores those backups, so they never show as untracked work."""

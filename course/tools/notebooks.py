@@ -68,13 +68,13 @@ class _Stream(io.TextIOBase):
 def execute_in_process(path: Path):
     """Run the notebook's code cells in this process, in one namespace, from the notebook's folder, as a kernel
     would: for a machine without a Jupyter kernel (the GPU machines the course's own runs use). A cell's stdout
-    and stderr become its stream outputs, its matplotlib figures (drawn with the Agg backend) image outputs; a
-    cell that raises gets the traceback as an error output, and the exception stops the run."""
+    and stderr become its stream outputs, its matplotlib figures (drawn with the Agg backend) image outputs. A
+    cell that raises stops the run: the exception propagates (its traceback in this process's output) and no
+    executed copy is written."""
     import base64
     import contextlib
     import os
     import sys
-    import traceback
 
     import matplotlib
     import nbformat
@@ -97,10 +97,6 @@ def execute_in_process(path: Path):
             try:
                 with contextlib.redirect_stdout(streams[0]), contextlib.redirect_stderr(streams[1]):
                     exec(compile(cell.source, f"<{path.name}, cell {count}>", "exec"), namespace)
-            except Exception as error:
-                outputs.append({"output_type": "error", "ename": type(error).__name__, "evalue": str(error),
-                                "traceback": traceback.format_exception(error)})
-                raise
             finally:
                 for number in plt.get_fignums():  # what plt.show() would have displayed
                     image = io.BytesIO()

@@ -97,11 +97,11 @@ def hgmma_loops(code) -> list[tuple[int, int, collections.Counter]]:
     return loops
 
 
-def report(cubin: Path, title: str, loop_name: str = "KV loop") -> str:
-    """Each KV loop with its instruction mix, and under it each stretch between a ``wait_group 1`` and the
-    next ``wait_group 0`` inside it: how many of the loop's exponentials run while its P V is in flight.
-    Loops with a ``SEL`` per score (a mask's select) are the masked ones; the one marked "no mask" is the
-    common case. Other loops (``loop_name``, stage 11's) are not told apart by their mask."""
+def report(cubin: Path, title: str, loop_name: str = "KV loop", marks_masks: bool = True) -> str:
+    """Each loop (``loop_name``) with its instruction mix, and under it each stretch between a ``wait_group 1``
+    and the next ``wait_group 0`` inside it: how many of the loop's exponentials run while its P V is in flight.
+    With ``marks_masks`` (a forward kernel's KV loops), loops with a ``SEL`` per score (a mask's select) are the
+    masked ones and the others are marked "no mask", the common case; stage 11's loops are not told apart."""
     code = disassemble(cubin)
     lines = [title]
     regions, loops = overlaps(code), hgmma_loops(code)
@@ -112,7 +112,7 @@ def report(cubin: Path, title: str, loop_name: str = "KV loop") -> str:
     for start, _, body in loops:
         top = ", ".join(f"{op} {n}" for op, n in body.most_common(8))
         masked = body["SEL"] >= 32  # a mask selects each of a thread's 64 scores (and a few SEL are not masks)
-        label = " (no mask)" if loop_name == "KV loop" and not masked else ""
+        label = " (no mask)" if marks_masks and not masked else ""
         lines.append(f"  {loop_name} at {start:#06x}{label}: {sum(body.values())} instructions; {top}")
         for overlap in (r for r in regions if innermost(r) == start):
             lines.append(f"    between wait_group 1 (at {overlap.address:#06x}) and wait_group 0: {overlap.instructions} "
@@ -142,10 +142,11 @@ def kernels(number: int, steps: int | None = None) -> list[tuple]:
 def main(number: int, steps: int | None = None) -> int:
     from course.runtime.compile import cross_compile
 
-    loop_name = "loop over Q tiles" if number == 11 else "KV loop"
+    backward = number == 11
+    loop_name = "loop over Q tiles" if backward else "KV loop"
     for kernel, arguments, config_name in kernels(number, steps):
         compiled = cross_compile(kernel, *arguments, name=f"sass_stage{number:02d}_{config_name}", keep=True)
         resources = f"{compiled.registers} registers, {compiled.spill_bytes} B spilled"
         print(report(Path(compiled.artifacts["cubin"]), f"stage {number} {type(kernel).__name__} {config_name} "
-                     f"({resources})", loop_name))
+                     f"({resources})", loop_name, marks_masks=not backward))
     return 0
