@@ -219,11 +219,12 @@ class SharedP:
     """P when the P V WGMMA reads it from shared memory (``Tiles.p_in_smem``): ``store`` takes the place of
     ``rP.store``, so the loops read the same either way.
 
-    It converts P to 16 bits in registers, writes this thread's values to the Q tile's rows in ``sP``
-    with stmatrix, and makes them visible to the WGMMA, which reads shared memory through the async
-    proxy (a proxy fence). Each warp's share of a 64-row WGMMA reads only the 16 rows of A that warp
-    wrote, so a warp sync is all the ordering the warps need, not a warpgroup barrier (FA3's rule).
-    The registers are dead once written: softmax(j + 1) runs with no P held in them.
+    It keeps the 16-bit P in registers, writes this thread's values to its rows of ``sP`` (P has the
+    Q tile's rows) with stmatrix, and makes them visible to the WGMMA, which reads shared memory
+    through the async proxy (a proxy fence). In practice each warp's share of a 64-row WGMMA reads
+    only the 16 rows of A that warp wrote (PTX does not promise it; FA3 and FA4 rely on it), so a warp
+    sync is all the ordering the warps need, not a warpgroup barrier. The registers are dead once
+    written: softmax(j + 1) runs with no P held in them.
     """
 
     def __init__(self, registers: cute.Tensor, store_atom: cute.CopyAtom, thr_store, tPsP: cute.Tensor):
@@ -231,7 +232,8 @@ class SharedP:
         self.element_type = registers.element_type
 
     # The loops call rP.store under runtime branches and loops, so the DSL carries rP through them as it
-    # does a tensor: by its two tensors' values (the copy atom and the thread's slice of it stay as they are).
+    # does a tensor: by its two tensors' values. The copy atom and the thread's slice of it stay as they
+    # are, which holds because store only retiles with the slice (a partition inside store would not).
     def __extract_mlir_values__(self):
         return [*cutlass.extract_mlir_values(self.registers), *cutlass.extract_mlir_values(self.tPsP)]
 
@@ -605,9 +607,9 @@ def overlapped_step(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc_S: cute.Te
     #   P holds P_j, and row_max and row_sum include tile j (masked steps mask S_j first). Both
     #   GEMMs (S_j and P_{j-1} V_{j-1}) are in flight, issued in this warpgroup's ping-pong turn,
     #   before the softmax of tile j starts. A K or V buffer goes back to the producer only once
-    #   the GEMM reading it is complete; P and O are registers a WGMMA in flight still uses, so
-    #   they change only after the group that uses them is complete. See 'Step 2: intra-warpgroup
-    #   overlap'.
+    #   the GEMM reading it is complete; P and O are what a WGMMA in flight still uses (registers;
+    #   P also shared memory with SharedP), so they change only after the group that uses them is
+    #   complete. See 'Step 2: intra-warpgroup overlap'.
     pipeline_k.consumer_wait(k_state)
     pingpong_wait(mma_wg)
     warpgroup_gemm(qk_mma, acc_S, tSrQ, tSrK[None, None, None, k_state.index])
@@ -639,9 +641,10 @@ def attend_kv_tiles_overlapped(qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, acc
                                tight: cutlass.Constexpr, release_q: cutlass.Constexpr = True):
     """Steps 2 and 3: softmax(j) runs while O += P V(j-1) is on the tensor cores.
 
-    P(j-1) stays in registers (``rP``) from one step to the next, as the A
-    operand of the P V WGMMA that is still running while softmax(j) works on
-    S(j) in ``acc_S``. The PTX rule that makes this correct: registers that an
+    P(j-1) stays in registers (``rP``; in shared memory as well with
+    ``Tiles.p_in_smem``) from one step to the next, as the A operand of the P V
+    WGMMA that is still running while softmax(j) works on S(j) in ``acc_S``.
+    The PTX rule that makes this correct: registers (or shared memory) that an
     in-flight WGMMA reads (P) or accumulates into (O) are not touched until a
     ``wait_group`` covers that WGMMA. So the softmax returns O's correction in
     ``row_scale`` instead of rescaling O, and P(j) is written over P(j-1) only
@@ -1278,8 +1281,8 @@ class Attention:
         mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
         wg_tidx = mma_tidx % 128
         # Operands in shared memory are a whole warpgroup's. Sliced at the warpgroup's first thread, a warp-uniform
-        # index, their WGMMA descriptors stay in uniform registers; that pays with P in shared memory (a third
-        # descriptor per P V) and not with P in registers, where ptxas then schedules the loop worse (the page).
+        # index, their WGMMA descriptors stay in uniform registers; that pays with P in shared memory (P V then
+        # has two descriptors, P's and V's) and not with P in registers, where ptxas schedules the loop worse.
         operand_thread = mma_wg * 128 if self.p_in_smem else mma_tidx
         wg_qk, wg_pv = qk_mma.get_slice(operand_thread), pv_mma.get_slice(operand_thread)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
@@ -1289,7 +1292,7 @@ class Attention:
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
         tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         acc_O = wg_pv.make_fragment_C(wg_pv.partition_shape_C((self.tile_m, dv)))
-        # P lives here from its softmax to its P V, which may be one iteration later (Step.OVERLAP).
+        # P lives here (and in sP with p_in_smem) from its softmax to its P V, one iteration later (Step.OVERLAP).
         rP, tOrP = self.p_operand(qk_mma, wg_pv, acc_S, sP, mma_tidx)
         rows = cute.size(rows_cols_view(acc_S), mode=[0])
         row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
