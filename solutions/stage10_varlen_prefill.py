@@ -724,16 +724,8 @@ class VarlenAttention(Attention):
         mma_tidx = tidx - 128
         mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
         wg_tidx = mma_tidx % 128
-        operand_thread = mma_wg * 128 if self.p_in_smem else mma_tidx  # (stage 8's choice)
-        wg_qk, wg_pv = qk_mma.get_slice(operand_thread), pv_mma.get_slice(operand_thread)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
-        thr_qk = qk_mma.get_slice(mma_tidx)
-        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        acc_O = wg_pv.make_fragment_C(wg_pv.partition_shape_C((self.tile_m, dv)))
-        rP, tOrP = self.p_operand(qk_mma, wg_pv, acc_S, sP, mma_tidx)
+        tSrQ, tSrK, tOrV, acc_S, tScS, acc_O, rP, tOrP = self.mma_operands(qk_mma, pv_mma, sQ, sK, sV, sP,
+                                                                            mma_tidx, mma_wg)
         rows = cute.size(rows_cols_view(acc_S), mode=[0])
         row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)

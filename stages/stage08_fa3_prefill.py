@@ -1135,6 +1135,27 @@ class Attention:
             (storage.sQ, sQ_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
             (storage.sQ if self.o_in_q else storage.sO, sO_layout))), sP)
 
+    def mma_operands(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
+                     sV: cute.Tensor, sP, mma_tidx: cutlass.Int32, mma_wg: cutlass.Int32):
+        """An MMA thread's view of both GEMMs: (tSrQ, tSrK, tOrV) from shared memory (K and V per ring stage:
+        (MMA, N, K, KV_STAGES)), S's accumulator and its (row, key) coordinates (acc_S, tScS), O's accumulator
+        (acc_O), and P (rP, tOrP: ``p_operand``)."""
+        # Operands in shared memory are a whole warpgroup's. Sliced at the warpgroup's first thread, a warp-uniform
+        # index, their WGMMA descriptors stay in uniform registers; that pays with P in shared memory (P V then
+        # has two descriptors, P's and V's) and not with P in registers, where ptxas schedules the loop worse.
+        operand_thread = mma_wg * 128 if self.p_in_smem else mma_tidx
+        wg_qk, wg_pv = qk_mma.get_slice(operand_thread), pv_mma.get_slice(operand_thread)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))
+        thr_qk = qk_mma.get_slice(mma_tidx)
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        acc_O = wg_pv.make_fragment_C(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)))
+        # P lives here (and in sP with p_in_smem) from its softmax to its P V, one iteration later (Step.OVERLAP).
+        rP, tOrP = self.p_operand(qk_mma, wg_pv, acc_S, sP, mma_tidx)
+        return tSrQ, tSrK, tOrV, acc_S, tScS, acc_O, rP, tOrP
+
     def p_operand(self, qk_mma: cute.TiledMma, wg_pv, acc_S: cute.Tensor, sP, mma_tidx: cutlass.Int32):
         """(rP, tOrP): where the softmax leaves P (``rP.store``) and the A operand the P V WGMMA reads. Both are
         the same registers, viewed as S's fragment and as P V's; with ``p_in_smem``, rP is a ``SharedP`` that
@@ -1248,20 +1269,8 @@ class Attention:
         mma_tidx = tidx - 128
         mma_wg = cute.arch.make_warp_uniform(mma_tidx // 128)
         wg_tidx = mma_tidx % 128
-        # Operands in shared memory are a whole warpgroup's. Sliced at the warpgroup's first thread, a warp-uniform
-        # index, their WGMMA descriptors stay in uniform registers; that pays with P in shared memory (P V then
-        # has two descriptors, P's and V's) and not with P in registers, where ptxas schedules the loop worse.
-        operand_thread = mma_wg * 128 if self.p_in_smem else mma_tidx
-        wg_qk, wg_pv = qk_mma.get_slice(operand_thread), pv_mma.get_slice(operand_thread)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, N, K, KV_STAGES)
-        tOrV = wg_pv.make_fragment_B(wg_pv.partition_B(sV))  # (MMA, N, K, KV_STAGES)
-        thr_qk = qk_mma.get_slice(mma_tidx)
-        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        acc_O = wg_pv.make_fragment_C(wg_pv.partition_shape_C((self.tile_m, dv)))
-        # P lives here (and in sP with p_in_smem) from its softmax to its P V, one iteration later (Step.OVERLAP).
-        rP, tOrP = self.p_operand(qk_mma, wg_pv, acc_S, sP, mma_tidx)
+        tSrQ, tSrK, tOrV, acc_S, tScS, acc_O, rP, tOrP = self.mma_operands(qk_mma, pv_mma, sQ, sK, sV, sP,
+                                                                            mma_tidx, mma_wg)
         rows = cute.size(rows_cols_view(acc_S), mode=[0])
         row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
