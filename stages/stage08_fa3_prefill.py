@@ -79,7 +79,6 @@ class Tiles:
 
     mma_warpgroups: int
     tile_n: int
-    windowed_tile_n: int = 0  # keys per KV tile under a left window, if fewer (its bounds take registers)
     # O's buffers are the Q tile's bytes, each warpgroup's in its own 64 rows: no Q K^T reads them after the
     # tile's last one, and the producer loads the next Q once the O stores have read them (wide head dims).
     o_in_q: bool = False
@@ -87,19 +86,16 @@ class Tiles:
     # runs, which leaves room for wider KV tiles at three warpgroups (SharedP).
     p_in_smem: bool = False
 
-    def keys_per_tile(self, has_left: bool) -> int:
-        return self.windowed_tile_n if has_left and self.windowed_tile_n else self.tile_n
-
 
 # By head dims (D_qk, D_v), chosen by measurement (course.tools.tile_variants; the page's "what decides the
 # tiles"). Shared memory bounds tile_n: Q, the K and V rings and the O buffers must fit (shared_bytes), so the
-# wider the rows, the fewer keys per tile. Registers bound the warpgroups: three (192-row Q tiles, FA3's choice below D = 128) have 160 each
-# (REGISTERS), enough for S, P and O of a 128-key tile at D = 64 but not for a left window's bounds as well;
-# at D = 80 and 96 a 128-key tile fits only with P in shared memory.
+# wider the rows, the fewer keys per tile. Registers bound the warpgroups: three (192-row Q tiles, FA3's choice
+# below D = 128) have 160 each (REGISTERS), enough for S, P and O of a 128-key tile at D = 64; at D = 80 and 96
+# a 128-key tile fits only with P in shared memory.
 TILES = {
-    (64, 64): Tiles(3, 128, windowed_tile_n=96),
-    (80, 80): Tiles(3, 128, windowed_tile_n=112, p_in_smem=True),
-    (96, 96): Tiles(3, 128, windowed_tile_n=96, p_in_smem=True),
+    (64, 64): Tiles(3, 128),
+    (80, 80): Tiles(3, 128, p_in_smem=True),
+    (96, 96): Tiles(3, 128, p_in_smem=True),
     (128, 128): Tiles(2, 128),
     (192, 128): Tiles(2, 128, o_in_q=True),
     (192, 192): Tiles(2, 112, o_in_q=True),
@@ -111,11 +107,12 @@ REGISTERS = {2: (24, 240), 3: (24, 160)}  # (producer, MMA)
 # Local memory a configuration may use. With three warpgroups ptxas keeps a few scalars (tile coordinates, mask
 # bounds, stage 10's sequence offsets) in local memory, L1 hits reloaded a few times per tile, and how many moves
 # with any reordering of the code. The same happens with two where O is 192 or 256 columns wide (96 or 128 of the
-# 240 registers): a few values only the epilogue reads (its warpgroup's O buffer and rows), reloaded once per tile.
+# 240 registers): a few values only the epilogue reads (its warpgroup's O buffer and rows), reloaded once per tile,
+# and in stage 10's paged gather a few of the loop's scalars, reloaded once per KV tile.
 # The same code compiles with two warpgroups at D = 128, where nothing may spill: that is where a loop that keeps
 # values live it does not need shows.
 SPILL_BYTES_ALLOWED = {2: 0, 3: 128}
-WIDE_O_SPILL_BYTES_ALLOWED = 32  # two warpgroups, D_v >= 192
+WIDE_O_SPILL_BYTES_ALLOWED = 64  # two warpgroups, D_v >= 192
 
 
 def spill_bytes_allowed(config: prefill.KernelConfig) -> int:
@@ -274,6 +271,30 @@ def warpgroup_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor
     # [/exercise]
 
 
+# --8<-- [start:register_counts]
+@cute.jit
+def registers_before(columns: cutlass.Int32):
+    """How many of a thread's registers in an accumulator row hold a column below ``columns``.
+
+    Columns are counted from the thread's first one. A WGMMA accumulator gives each thread two
+    adjacent columns of every eight: offsets 0, 1, 8, 9, 16, 17, ... in register order.
+    """
+    columns = cutlass.max(columns, 0)
+    return columns // 8 * 2 + cutlass.min(columns % 8, 2)
+
+
+@cute.jit
+def low_bits(count: cutlass.Int32, chunk: cutlass.Constexpr):
+    """The bits of registers [32 chunk, 32 chunk + 32) that lie below register ``count``: bit i for 32 chunk + i.
+
+    A 32-bit shift by 32 is undefined, so the shift stops at 31 and an empty mask is a select.
+    """
+    n = count - 32 * chunk
+    bits = cutlass.Uint32(0xFFFFFFFF) >> cutlass.Uint32(cutlass.min(cutlass.max(32 - n, 0), 31))
+    return cutlass.Uint32(cutlass.select_(n > 0, bits, cutlass.Uint32(0)))
+# --8<-- [end:register_counts]
+
+
 class WindowMask:
     """Which keys the rows of this CTA's Q tile may see (bottom-right aligned, docs/contract.md).
 
@@ -388,31 +409,42 @@ class WindowMask:
             # [/exercise]
         return outside
 
+    # --8<-- [start:keep_bits]
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
-        """Set S to -inf outside each row's visible keys, from every register's (row, col)."""
+        """Set S to -inf outside each row's visible keys, from one 32-bit keep-mask per row and 32 registers.
+
+        Stage 4 compared every register's key with the row's bounds: a key index and a
+        compare per score. Here each bound becomes a register count (registers_before), the
+        counts a mask of bits (low_bits), and each score one select on a bit: per row a few
+        integer operations, per score none. The keys are counted from the thread's first
+        column, so only that one column index is computed at run time.
+        """
         s = rows_cols_view(acc_S)
         coord = rows_cols_view(tScS)
-        key0 = n_block * self.tile_n
-        # [exercise 4] Every s[r, c] whose key its row may not see (outside the row's window, or
-        #   at or past S_k: the rule of The semantics) becomes -inf; visible scores stay as they
-        #   are. coord gives each register's (row, col) inside this Q tile and KV tile, not in the
-        #   sequence. An unbounded side compiles to no code. The left bound goes through
-        #   outside_left_bound, which exempts sink tokens. (stage 4 page: Masking in registers)
+        first_key = n_block * self.tile_n + coord[0, 0][1]  # this thread's first column, as a key index
+        columns = cute.size(s, mode=[1])
+        if cutlass.const_expr(self.has_sink_tokens):
+            sink_end = registers_before(self.num_sink_tokens - first_key)  # the same for every row
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             row = self.row0 + coord[r, 0][0]
             key_end = self.seqlen_k
             if cutlass.const_expr(self.has_right):
                 key_end = cutlass.min(key_end, row + self.offset + self.right + 1)
-            key_start = row + self.offset - self.left
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                key = key0 + coord[r, c][1]
-                if key >= key_end:
-                    s[r, c] = -cutlass.Float32.inf
+            keep_end = registers_before(key_end - first_key)  # registers [0, keep_end) hold keys < key_end
+            if cutlass.const_expr(self.has_left):
+                drop_end = registers_before(row + self.offset - self.left - first_key)
+            for chunk in cutlass.range_constexpr((columns + 31) // 32):
+                keep = low_bits(keep_end, chunk)
                 if cutlass.const_expr(self.has_left):
-                    if self.outside_left_bound(key, key_start):
-                        s[r, c] = -cutlass.Float32.inf
-        # [/exercise]
+                    outside = low_bits(drop_end, chunk)
+                    if cutlass.const_expr(self.has_sink_tokens):
+                        outside = outside & ~low_bits(sink_end, chunk)  # sink tokens ignore the left bound
+                    keep = keep & ~outside
+                for i in cutlass.range_constexpr(min(32, columns - 32 * chunk)):
+                    c = 32 * chunk + i
+                    s[r, c] = cutlass.Float32(cutlass.select_((keep >> i) & 1 != 0, s[r, c], -cutlass.Float32.inf))
+    # --8<-- [end:keep_bits]
 
     # A tile with no masked key keeps its scores: the loop over full tiles calls nothing. A mask that
     # changes every score (stage 10's ALiBi bias) sets this and gives apply_full its full-tile work.
@@ -948,7 +980,7 @@ class Attention:
         self.head_dim, self.head_dim_v = config.head_dim, config.dv
         tiles = self.forced_tiles or TILES[self.head_dim, self.head_dim_v]
         self.num_wgs = tiles.mma_warpgroups  # MMA warpgroups: 64 query rows each
-        self.tile_n = tiles.keys_per_tile(config.has_left)
+        self.tile_n = tiles.tile_n
         self.tile_m = 64 * self.num_wgs
         self.mma_threads = 128 * self.num_wgs
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then MMA warpgroups 0, 1, ...

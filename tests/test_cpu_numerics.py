@@ -70,6 +70,11 @@ PLANTED = {
                                    lambda m: cpu_numerics.check_masks(m, dict(causal=True), [(513, 700)])),
     "left-cut-tiles-called-full": (8, "tile_is_partial", [SetValue("partial", "partial", nth=2)],
                                    lambda m: cpu_numerics.check_masks(m, dict(window_size=(300, 17)), [(513, 513)])),
+    "keep-bits-count-one-column-per-pair": (8, "registers_before", [DropTerm("return", "cutlass.min(columns % 8, 2)")],
+                                            lambda m: cpu_numerics.check_masks(m, dict(causal=True), [(300, 1000)])),
+    "keep-bits-drop-the-sink-tokens": (
+        8, "apply", [SetValue("outside", "outside", nth=1)],
+        lambda m: cpu_numerics.check_masks(m, dict(window_size=(300, 17), num_sink_tokens=5), [(300, 1000)])),
     "locate-the-lane-before": (10, "locate", [SetValue("found", "31 - cute.arch.popc(past)")],
                                lambda m: cpu_numerics.check_locate(m, LOCATE)),
     "locate-start-is-the-end": (10, "locate", [DropTerm("batch_start", "count")],

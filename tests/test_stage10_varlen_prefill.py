@@ -68,7 +68,7 @@ def test_bad_varlen_input_is_rejected_before_launch(stage, name):
 
 def test_page_rows_divide_tile_and_page(stage):
     """A paged copy never crosses a page or a KV tile, and is whole 16-row pieces (the swizzle's 8-row atoms)."""
-    for tile_n in {n for tiles in stage.TILES.values() for n in (tiles.tile_n, tiles.windowed_tile_n) if n}:
+    for tile_n in {tiles.tile_n for tiles in stage.TILES.values()}:
         for page_size in range(16, 513, 16):
             rows = varlen.page_rows(tile_n, page_size)
             assert tile_n % rows == 0 and page_size % rows == 0 and rows % 16 == 0, (tile_n, page_size)

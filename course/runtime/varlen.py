@@ -160,7 +160,7 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
                                        shape.head_dim, shape.head_dim_v)
     left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, bounds)
     tiles = kernel_class.tiles_for(shape.head_dim, shape.head_dim_v)
-    rows = page_rows(tiles.keys_per_tile(left >= 0), shape.page_size) if paged else 0
+    rows = page_rows(tiles.tile_n, shape.page_size) if paged else 0
     config = VarlenConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                           left >= 0 and num_sink_tokens > 0,
                           shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0,

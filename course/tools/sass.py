@@ -100,7 +100,7 @@ def hgmma_loops(code) -> list[tuple[int, int, collections.Counter]]:
 def report(cubin: Path, title: str, loop_name: str = "KV loop", marks_masks: bool = True) -> str:
     """Each loop (``loop_name``) with its instruction mix, and under it each stretch between a ``wait_group 1``
     and the next ``wait_group 0`` inside it: how many of the loop's exponentials run while its P V is in flight.
-    With ``marks_masks`` (a forward kernel's KV loops), loops with a ``SEL`` per score (a mask's select) are the
+    With ``marks_masks`` (a forward kernel's KV loops), loops with a select per score (``SEL`` or ``FSEL``) are the
     masked ones and the others are marked "no mask", the common case; stage 11's loops are not told apart."""
     code = disassemble(cubin)
     lines = [title]
@@ -111,7 +111,8 @@ def report(cubin: Path, title: str, loop_name: str = "KV loop", marks_masks: boo
 
     for start, _, body in loops:
         top = ", ".join(f"{op} {n}" for op, n in body.most_common(8))
-        masked = body["SEL"] >= 32  # a mask selects each of a thread's 64 scores (and a few SEL are not masks)
+        # a mask selects each of a thread's 64 scores, with SEL or FSEL as ptxas picks (and a few are not masks)
+        masked = body["SEL"] + body["FSEL"] >= 32
         label = " (no mask)" if marks_masks and not masked else ""
         lines.append(f"  {loop_name} at {start:#06x}{label}: {sum(body.values())} instructions; {top}")
         for overlap in (r for r in regions if innermost(r) == start):

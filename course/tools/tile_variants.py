@@ -62,7 +62,7 @@ def variant_name(tiling) -> str:
 
 
 def tiling_of(tiles) -> tuple:
-    """A stage's ``Tiles`` as a tiling of VARIANTS (its windowed width aside)."""
+    """A stage's ``Tiles`` as a tiling of VARIANTS."""
     return (tiles.mma_warpgroups, tiles.tile_n, *((P_IN_SMEM,) if tiles.p_in_smem else ()),
             *((O_IN_Q,) if tiles.o_in_q else ()))
 
