@@ -231,28 +231,42 @@ class VarlenTileScheduler:
 
 # --8<-- [start:paged_load]
 @cute.jit
-def load_paged_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor,
-                    n_block: cutlass.Int32, seqlen_k: cutlass.Int32, page_size: cutlass.Int32,
-                    pages: cute.Tensor, num_pages: cutlass.Int32, tile_n: cutlass.Constexpr,
-                    page_rows: cutlass.Constexpr):
-    """Producer step of a paged cache: KV tile ``n_block`` as ``tile_n // page_rows`` TMA copies of
-    ``page_rows`` rows, each from its page; all of them complete on the buffer's one full barrier. All
-    32 lanes of the producer warp call it (the copies are issued once, as every TMA copy here).
+def page_lookup(n_block: cutlass.Int32, seqlen_k: cutlass.Int32, page_size: cutlass.Int32, pages: cute.Tensor,
+                num_pages: cutlass.Int32, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr):
+    """The page of copy ``lane`` of KV tile ``n_block`` (``load_paged_tile``'s copies), looked up by that lane:
+    all of a tile's pages with one table read per lane. K and V of a tile live in the same pages, so the
+    producer looks them up once, for K, and keeps them for V one step later.
 
-    ``tXgX``: (TMA, page_size // page_rows, pages) of the pool; ``tXsX``: (TMA, tile_n // page_rows,
-    KV_STAGES) of the ring; ``pages``: this sequence's row of the block table.
+    ``pages``: this sequence's row of the block table.
     """
-    # [exercise 10] Rows [n_block * tile_n, (n_block + 1) * tile_n) of the sequence land in the
-    #   buffer `state` points at, in order, once it is empty, and complete on its full barrier
-    #   (armed for a whole tile). Key j lives in row j % page_size of page pages[j // page_size].
-    #   A copy whose rows all lie at or past seqlen_k must not read the block table (its entries
-    #   there may be anything): it reads page num_pages, outside the pool, which TMA fills with zeros.
-    # Lane c looks up copy c's page, all at once and before the wait for the buffer: one load's latency
-    # per tile, hidden behind the wait, instead of one per copy in the copy loop.
+    # [exercise 10] Lane c returns the page that holds copy c's rows: keys n_block * tile_n + c *
+    #   page_rows onwards (page_rows of them, all in one page). Key j lives in page pages[j // page_size].
+    #   A copy whose rows all lie at or past seqlen_k must not read the block table (its entries there may
+    #   be anything): its page is num_pages, outside the pool, which TMA fills with zeros.
     key = n_block * tile_n + cute.arch.lane_idx() * page_rows
     lane_page = num_pages
     if key < seqlen_k:
         lane_page = pages[key // page_size]
+    # [/exercise]
+    return lane_page
+
+
+@cute.jit
+def load_paged_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor,
+                    n_block: cutlass.Int32, page_size: cutlass.Int32, lane_page: cutlass.Int32,
+                    tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr):
+    """Producer step of a paged cache: KV tile ``n_block`` as ``tile_n // page_rows`` TMA copies of
+    ``page_rows`` rows, each from its page (lane c's ``lane_page``, from ``page_lookup``); all of them
+    complete on the buffer's one full barrier. All 32 lanes of the producer warp call it (the copies are
+    issued once, as every TMA copy here).
+
+    ``tXgX``: (TMA, page_size // page_rows, pages) of the pool; ``tXsX``: (TMA, tile_n // page_rows,
+    KV_STAGES) of the ring.
+    """
+    # [exercise 10] Rows [n_block * tile_n, (n_block + 1) * tile_n) of the sequence land in the
+    #   buffer `state` points at, in order, once it is empty, and complete on its full barrier
+    #   (armed for a whole tile). Key j lives in row j % page_size of its page; copy c's page is
+    #   lane c's lane_page, and every lane must issue the same copies.
     pipe.producer_acquire(state)
     for c in cutlass.range(tile_n // page_rows, unroll=1):  # a runtime loop: unrolled, the producer's 24 registers spill
         row = (n_block * tile_n + c * page_rows) % page_size
@@ -367,18 +381,31 @@ def gather_paged_tile(pipe, state, mX: cute.Tensor, sX: cute.Tensor, swizzle: cu
 
 
 @cute.jit
+def tile_pages(n_block: cutlass.Int32, paging, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr,
+               gather: cutlass.Constexpr):
+    """What ``load_kv_tile`` needs of the block table for KV tile ``n_block``: its TMA copies' pages
+    (``page_lookup``), or 0 where it reads none (packed K and V; the gather looks up its own rows)."""
+    lane_page = cutlass.Int32(0)
+    if cutlass.const_expr(page_rows > 0 and not gather):
+        seqlen_k, page_size, pages, num_pages = paging
+        lane_page = page_lookup(n_block, seqlen_k, page_size, pages, num_pages, tile_n, page_rows)
+    return lane_page
+
+
+@cute.jit
 def load_kv_tile(pipe, state, tma_atom: cute.CopyAtom, tXgX: cute.Tensor, tXsX: cute.Tensor, n_block: cutlass.Int32,
-                 paging, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr, gather: cutlass.Constexpr):
-    """KV tile ``n_block``: stage 8's one TMA copy from packed rows, ``load_paged_tile`` (page_rows > 0), or
-    ``gather_paged_tile`` (``gather``: ``tXgX`` the head's pool, ``tXsX`` the ring as rows and its swizzle)."""
+                 paging, lane_page: cutlass.Int32, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr,
+                 gather: cutlass.Constexpr):
+    """KV tile ``n_block``: stage 8's one TMA copy from packed rows, ``load_paged_tile`` (page_rows > 0, the
+    pages ``tile_pages`` looked up), or ``gather_paged_tile`` (``gather``: ``tXgX`` the head's pool, ``tXsX``
+    the ring as rows and its swizzle)."""
     if cutlass.const_expr(gather):
         seqlen_k, page_size, pages, _ = paging
         ring, swizzle = tXsX
         gather_paged_tile(pipe, state, tXgX, ring, swizzle, n_block, seqlen_k, page_size, pages, tile_n)
     elif cutlass.const_expr(page_rows > 0):
-        seqlen_k, page_size, pages, num_pages = paging
-        load_paged_tile(pipe, state, tma_atom, tXgX, tXsX, n_block, seqlen_k, page_size, pages, num_pages, tile_n,
-                        page_rows)
+        page_size = paging[1]
+        load_paged_tile(pipe, state, tma_atom, tXgX, tXsX, n_block, page_size, lane_page, tile_n, page_rows)
     else:
         load_tile(pipe, state, tma_atom, tXgX, tXsX, n_block)
 
@@ -683,25 +710,31 @@ class VarlenAttention(Attention):
                     tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, sK, cute.group_modes(gK, 0, 2))
                     tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, sV, cute.group_modes(gV, 0, 2))
                 paging = (seqlen_k, page_size, mBlockTable[batch, None], num_pages) if paged else None
-                # Stage 8's order: K of the first tile, then Q; V one tile behind K.
+                # Stage 8's order: K of the first tile, then Q; V one tile behind K, from the pages K's copies
+                # looked up (v_pages: the previous step's).
+                v_pages = cutlass.Int32(0)
                 if n_tiles > 0:
-                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, kv_block(0, n_block_min, n_block_max),
-                                 paging, n, rows, self.gather)
+                    first_block = kv_block(0, n_block_min, n_block_max)
+                    v_pages = tile_pages(first_block, paging, n, rows, self.gather)
+                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, first_block, paging, v_pages, n, rows,
+                                 self.gather)
                     k_state.advance()
                 if loads_q:
                     pipeline_q.producer_acquire(q_state)
                     cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
                     q_state.advance()
                 for i in cutlass.range(1, n_tiles, unroll=1):
-                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, kv_block(i, n_block_min, n_block_max),
-                                 paging, n, rows, self.gather)
+                    n_block = kv_block(i, n_block_min, n_block_max)
+                    k_pages = tile_pages(n_block, paging, n, rows, self.gather)
+                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, n_block, paging, k_pages, n, rows, self.gather)
                     k_state.advance()
                     load_kv_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(i - 1, n_block_min, n_block_max),
-                                 paging, n, rows, self.gather)
+                                 paging, v_pages, n, rows, self.gather)
                     v_state.advance()
+                    v_pages = k_pages
                 if n_tiles > 0:
                     load_kv_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(n_tiles - 1, n_block_min, n_block_max),
-                                 paging, n, rows, self.gather)
+                                 paging, v_pages, n, rows, self.gather)
                     v_state.advance()
         if loads_q:
             pipeline_q.producer_tail(q_state)

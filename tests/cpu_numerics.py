@@ -1250,8 +1250,8 @@ class _WarpShuffles:
 
 def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 128, num_pages: int = 40,
                           seed: int = 0) -> None:
-    """Your load_paged_tile run by 32 threads, one per lane, with a recording pipeline and TMA copy and
-    ``shuffle_sync`` exchanging the lanes' values: for every KV tile of a sequence of ``seqlen_k`` keys in
+    """Your page_lookup and load_paged_tile run by 32 threads, one per lane, with a recording pipeline and TMA
+    copy and ``shuffle_sync`` exchanging the lanes' values: for every KV tile of a sequence of ``seqlen_k`` keys in
     pages of ``page_size`` rows (a shuffled block table), the lanes issue the same copies, and these cover
     the tile's rows in order from the right page (page ``num_pages``, outside the pool, past ``seqlen_k``),
     after one producer_acquire, completing on the buffer's full barrier; no block-table entry at or past
@@ -1270,15 +1270,18 @@ def check_load_paged_tile(module, page_size: int, seqlen_k: int, tile_n: int = 1
     warp = _WarpShuffles(WARP, lambda: lane_of.lane)
     arch = SimpleNamespace(lane_idx=lambda: lane_of.lane, shuffle_sync=warp.shuffle_sync)
     copy = lambda _atom, src, dst, tma_bar_ptr=None: logs[lane_of.lane].append(("copy", src, dst, tma_bar_ptr))  # noqa: E731
+    page_lookup = _as_python(module, "page_lookup", _dsl_stand_ins(copy, arch))
     load_paged_tile = _as_python(module, "load_paged_tile", _dsl_stand_ins(copy, arch))
     def lane(number, state, n_block):
         lane_of.lane = number
+        lane_page = page_lookup(n_block, seqlen_k, page_size, pages, num_pages, tile_n, page_rows)
         load_paged_tile(_RecordingPipe(logs[number]), state, None, _Tiles("pool"), _Tiles("ring buffer"), n_block,
-                        seqlen_k, page_size, pages, num_pages, tile_n, page_rows)
+                        page_size, lane_page, tile_n, page_rows)
 
     for count, n_block in enumerate(range(-(-seqlen_k // tile_n))):
         state = _Ring(count)
-        where = f"load_paged_tile(KV tile {n_block}, {state}), seqlen_k {seqlen_k}, pages of {page_size} rows"
+        where = (f"page_lookup and load_paged_tile(KV tile {n_block}, {state}), seqlen_k {seqlen_k}, pages of "
+                 f"{page_size} rows")
         for log in logs:
             log.clear()
         warp.run(partial(lane, state=state, n_block=n_block), where)

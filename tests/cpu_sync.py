@@ -610,7 +610,7 @@ def check_varlen_producer(module, *, page_rows: int, gather: bool, warp: int = 0
     rec = Recorder(path)
 
     def load_kv_tile(pipe, state, *args):
-        log.append(("load", pipe.name, args[3], state.count, rec.line()))
+        log.append(("load", pipe.name, args[3], state.count, rec.line(), args[5]))
 
     def make_pipeline_state(_kind, stages):
         return State(stages)
@@ -644,7 +644,8 @@ def check_varlen_producer(module, *, page_rows: int, gather: bool, warp: int = 0
     cpasync = SimpleNamespace(tma_partition=lambda *_: (anything, anything))
     scope = as_python(module, ("VarlenAttention.load",), dict(
         cute=cute, cutlass=cutlass, pipeline=pipeline, cpasync=cpasync, load_kv_tile=load_kv_tile, WindowMask=Mask,
-        sequence_rows=lambda *_: (0, 100), sequence_keys=lambda *_: (0, 1000)))
+        sequence_rows=lambda *_: (0, 100), sequence_keys=lambda *_: (0, 1000),
+        tile_pages=lambda n_block, *_: ("pages of", n_block)))
     config = SimpleNamespace(has_seqused_k=False)
     this = SimpleNamespace(head_dim=128, head_dim_v=128, tile_n=128, tile_m=128, page_rows=page_rows, gather=gather,
                            config=config, key_capacity=lambda *_: 1000, smem_layouts=lambda: (anything,) * 4)
@@ -687,6 +688,10 @@ def check_varlen_producer(module, *, page_rows: int, gather: bool, warp: int = 0
                         "state count)); per work tile the producer loads K of its first KV tile, then Q, then K of "
                         "tile i and V of tile i - 1 for i = 1 .. n - 1, then V of the last, each with its "
                         "pipeline's next state: a missing load leaves the MMA warps waiting forever")
+    for event in (event for event in log if event[0] == "load" and event[5] != ("pages of", event[2])):
+        raise SyncError(f"{_where(path, event[4])}: {setup}: {event[1]} of {event[2]} is loaded with the pages of "
+                        f"{event[5][1] if isinstance(event[5], tuple) else event[5]}; a tile's K and V live in its "
+                        "own pages (V one step behind K takes the pages K's copies looked up one step before)")
     tails = [event[1:3] for event in log if event[0] == "tail"]
     want = [(name, counts[name]) for name in ("QKV" if loads_q else "KV")]
     if tails != want:

@@ -100,7 +100,7 @@ PLANTED = {
                                cpu_numerics.check_load_tile),
     "always-buffer-zero": (2, "load_tile", [SetArgument("cute.copy", 2, "tXsX[None, 0]")],
                            cpu_numerics.check_load_tile),
-    "block-table-read-past-the-keys": (10, "load_paged_tile", [Unwrap()],
+    "block-table-read-past-the-keys": (10, "page_lookup", [Unwrap()],
                                        lambda m: cpu_numerics.check_load_paged_tile(m, 16, 300)),
     "page-by-the-lane-not-the-copy": (10, "load_paged_tile", [SetArgument("cute.arch.shuffle_sync", 1, "0")],
                                       lambda m: cpu_numerics.check_load_paged_tile(m, 16, 300)),

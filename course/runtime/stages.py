@@ -158,7 +158,7 @@ STAGES = [
     Stage(10, "varlen_prefill", "Variable-length and paged prefill",
           "packed sequences of different lengths, a paged KV cache, a scheduler over ragged tiles",
           ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False, ragged_shapes=RAGGED,
-          cpu_numerics=("locate", "load_paged_tile")),
+          cpu_numerics=("locate", "page_lookup", "load_paged_tile")),
     Stage(11, "backward", "The backward pass",
           "dQ, dK, dV and dsink: P recomputed from the LSE, the transposed products on WGMMA, dQ by TMA reduce-adds",
           ready=True, kind="backward", bench_shapes=BACKWARD, starts_from=10, diffed=False,
