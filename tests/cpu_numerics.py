@@ -1476,6 +1476,13 @@ def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]],
                     raise AssertionError(f"dq_turn, {where}: Q tile {m} gets dQ shares first from KV tiles {earlier} "
                                          f"(those above this one: {len(earlier)}); dq_turn says "
                                          f"{tiles[2 + m_blocks + m].item()}, so the deterministic order would hang")
+                past = (n_block + 1) * tile_n > s_k
+                if past and not tiles[2 + m].item():
+                    raise AssertionError(f"tile_is_partial, {where}: Q tile {m} skips the mask, but the KV tile runs past "
+                                         f"S_k = {s_k}: its keys from {s_k} on are not the sequence's")
+                if past and (scores[keys.shape[1]:, m * tile_m:m * tile_m + rows.shape[0]] == 0).any():
+                    raise AssertionError(f"apply_transposed, {where}: a key at or past S_k = {s_k} is kept for a row of "
+                                         f"Q tile {m}; every key past S_k is masked for every row")
                 kept = scores[:keys.shape[1], m * tile_m:m * tile_m + rows.shape[0]].t() == 0
                 if tiles[2 + m].item() and not torch.equal(kept, rows):
                     wrong = (kept != rows).nonzero()[0].tolist()
