@@ -398,7 +398,8 @@ class WindowMask:
 
     @cute.jit
     def outside_left_bound(self, key: cutlass.Int32, key_start: cutlass.Int32):
-        """Is ``key`` left of its row's window? Sink tokens never are."""
+        """Is ``key`` left of its row's window? Sink tokens never are. (Stage 5's test, per score: stage 11's
+        transposed mask uses it; ``apply`` below counts registers instead.)"""
         outside = key < key_start
         if cutlass.const_expr(self.has_sink_tokens):
             # [exercise 5] outside ends True only for a key that is left of its row's window AND
@@ -412,7 +413,7 @@ class WindowMask:
     # --8<-- [start:keep_bits]
     @cute.jit
     def apply(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: cutlass.Int32):
-        """Set S to -inf outside each row's visible keys, from one 32-bit keep-mask per row and 32 registers.
+        """Set S to -inf outside each row's visible keys, from a 32-bit keep-mask per 32 registers of a row.
 
         Stage 4 compared every register's key with the row's bounds: a key index and a
         compare per score. Here each bound becomes a register count (registers_before), the
