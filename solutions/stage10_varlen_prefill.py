@@ -383,8 +383,8 @@ def gather_paged_tile(pipe, state, mX: cute.Tensor, sX: cute.Tensor, swizzle: cu
 @cute.jit
 def tile_pages(n_block: cutlass.Int32, paging, tile_n: cutlass.Constexpr, page_rows: cutlass.Constexpr,
                gather: cutlass.Constexpr):
-    """What ``load_kv_tile`` needs of the block table for KV tile ``n_block``: its TMA copies' pages
-    (``page_lookup``), or 0 where it reads none (packed K and V; the gather looks up its own rows)."""
+    """What ``load_kv_tile`` needs of the block table for KV tile ``n_block``: this lane's page of it (copy
+    ``lane``'s, ``page_lookup``), or 0 where it reads none (packed K and V; the gather looks up its own rows)."""
     lane_page = cutlass.Int32(0)
     if cutlass.const_expr(page_rows > 0 and not gather):
         seqlen_k, page_size, pages, num_pages = paging
@@ -710,13 +710,13 @@ class VarlenAttention(Attention):
                     tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, sK, cute.group_modes(gK, 0, 2))
                     tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, sV, cute.group_modes(gV, 0, 2))
                 paging = (seqlen_k, page_size, mBlockTable[batch, None], num_pages) if paged else None
-                # Stage 8's order: K of the first tile, then Q; V one tile behind K, from the pages K's copies
-                # looked up (v_pages: the previous step's).
-                v_pages = cutlass.Int32(0)
+                # Stage 8's order: K of the first tile, then Q; V one tile behind K, from the page K's copies
+                # looked up (v_page: this lane's, from the previous step).
+                v_page = cutlass.Int32(0)
                 if n_tiles > 0:
                     first_block = kv_block(0, n_block_min, n_block_max)
-                    v_pages = tile_pages(first_block, paging, n, rows, self.gather)
-                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, first_block, paging, v_pages, n, rows,
+                    v_page = tile_pages(first_block, paging, n, rows, self.gather)
+                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, first_block, paging, v_page, n, rows,
                                  self.gather)
                     k_state.advance()
                 if loads_q:
@@ -725,16 +725,16 @@ class VarlenAttention(Attention):
                     q_state.advance()
                 for i in cutlass.range(1, n_tiles, unroll=1):
                     n_block = kv_block(i, n_block_min, n_block_max)
-                    k_pages = tile_pages(n_block, paging, n, rows, self.gather)
-                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, n_block, paging, k_pages, n, rows, self.gather)
+                    k_page = tile_pages(n_block, paging, n, rows, self.gather)
+                    load_kv_tile(pipeline_k, k_state, tma_k, tKgK, tKsK, n_block, paging, k_page, n, rows, self.gather)
                     k_state.advance()
                     load_kv_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(i - 1, n_block_min, n_block_max),
-                                 paging, v_pages, n, rows, self.gather)
+                                 paging, v_page, n, rows, self.gather)
                     v_state.advance()
-                    v_pages = k_pages
+                    v_page = k_page
                 if n_tiles > 0:
                     load_kv_tile(pipeline_v, v_state, tma_v, tVgV, tVsV, kv_block(n_tiles - 1, n_block_min, n_block_max),
-                                 paging, v_pages, n, rows, self.gather)
+                                 paging, v_page, n, rows, self.gather)
                     v_state.advance()
         if loads_q:
             pipeline_q.producer_tail(q_state)

@@ -418,7 +418,7 @@ class WindowMask:
         Stage 4 compared every register's key with the row's bounds: a key index and a
         compare per score. Here each bound becomes a register count (registers_before), the
         counts a mask of bits (low_bits), and each score one select on a bit: per row a few
-        integer operations, per score none. The keys are counted from the thread's first
+        integer operations, per score at most a bit test. The keys are counted from the thread's first
         column, so only that one column index is computed at run time.
         """
         s = rows_cols_view(acc_S)

@@ -56,6 +56,8 @@ STAGE10_BUGS = {
     "last-v-tile-never-loaded": ("load", [Delete("load_kv_tile", nth=3)], "waiting forever"),
     "k-state-not-advanced-in-the-loop": ("load", [Delete("k_state.advance", nth=1)], "next state"),
     "q-loaded-by-every-producer-warp": ("load", [SetValue("loads_q", "True", nth=1)], "only warp 0 may"),
+    "v-loaded-from-the-next-tiles-pages": ("load", [SetArgument("load_kv_tile", 7, "k_page", nth=2)],
+                                           "live in its own pages"),
 }
 
 
