@@ -44,6 +44,7 @@ Run it:
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 
 import cutlass
@@ -73,17 +74,29 @@ STAGE = 11
 # --8<-- [start:q_tile_rows]
 # Query rows per step (the N of S^T = K Q^T, the M of dQ = dS K), per head dim: 128 where the registers and
 # shared memory hold a step that wide (D = 64: S^T and dP^T take 64 registers each, dK and dV 32), else 64.
-Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64}
+Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64, 192: 64}
 # --8<-- [end:q_tile_rows]
-TILE_N = 128   # keys per CTA: 64 per MMA warpgroup
+# --8<-- [start:key_warpgroups]
+# MMA warpgroups along the KV tile's keys, 64 keys each (the M of S^T, dK and dV). Up to D = 128 each warpgroup
+# owns 64 keys and all of their columns. From D = 192 a warpgroup's float32 dK and dV of 64 keys would take
+# 2 x D registers a thread, more than it has: a CTA takes 64 keys, and the two warpgroups split the columns of
+# dK and dV, and the query rows of S^T and dP^T. P^T and dS^T then go through shared memory, since each
+# warpgroup's dV and dK need every query row's.
+KEY_WARPGROUPS = {64: 2, 80: 2, 96: 2, 128: 2, 192: 1}
+# --8<-- [end:key_warpgroups]
 Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
 MMA_WGS = 2
+
+
+def kv_tile_keys(head_dim: int) -> int:
+    """Keys per CTA: 64 per warpgroup along the keys (``KEY_WARPGROUPS``)."""
+    return 64 * KEY_WARPGROUPS[head_dim]
 # --8<-- [start:swizzle_span]
 # Warpgroups that compute dQ = dS K, each a part of the dQ tile (the other waits): 64 of its rows where the Q
 # tile has a block of 64 per warpgroup (128 rows at D = 64), else a part of head_dim's columns. At D = 80 a half
 # (40 columns) would cut K's 16-column swizzle atoms, and narrower atoms cost more than the idle warpgroup
 # (measured on the page): one warpgroup computes all of dQ, as FlashAttention's Hopper backward does up to D = 96.
-DQ_WARPGROUPS = {64: 2, 80: 1, 96: 2, 128: 2}
+DQ_WARPGROUPS = {64: 2, 80: 1, 96: 2, 128: 2, 192: 2}
 
 
 def swizzle_span(head_dim: int) -> int:
@@ -195,16 +208,17 @@ class KeyTileMask(WindowMask):
 
     def __init__(self, n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, deterministic=False,
                  rotate=0):
-        super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS[config.head_dim], TILE_N)
+        super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS[config.head_dim],
+                         kv_tile_keys(config.head_dim))
         self.n_block = n_block
-        self.key0 = n_block * TILE_N
+        self.key0 = n_block * self.tile_n
         # Deterministic and unmasked, every KV tile visits every Q tile: with ``rotate`` (the host's choice)
         # tile n starts at Q tile n mod M, so the tiles do not all queue for Q tile 0 (dq_turn).
         self.rotates = deterministic and not (config.has_left or config.has_right)
         if self.rotates:
             self.rotate = rotate
             self.q_tiles = (seqlen_q + self.tile_m - 1) // self.tile_m
-            self.kv_tiles = (seqlen_k + TILE_N - 1) // TILE_N
+            self.kv_tiles = (seqlen_k + self.tile_n - 1) // self.tile_n
             self.rotation = (n_block % self.q_tiles) * rotate
 
     @cute.jit
@@ -355,20 +369,23 @@ def row_threads(head_dim: int, vec: int = 8) -> int:
 # --8<-- [start:preprocess]
 class RowPass:
     """A pass over [B, S, H, D] rows in CTAs of 128 threads: ``row_threads`` per row, each taking the row's
-    8-value (16-byte) pieces chunk, chunk + threads_per_row, ..."""
+    8-value (16-byte) pieces chunk, chunk + threads_per_row, ... (with ``head_dim_v``, the threads that share
+    both widths evenly, and ``pieces_v_per_thread`` of the D_v-wide rows)."""
 
     vec = 8
 
-    def __init__(self, head_dim: int):
-        self.threads_per_row = row_threads(head_dim, self.vec)
+    def __init__(self, head_dim: int, head_dim_v: int | None = None):
+        head_dim_v = head_dim_v or head_dim
+        self.threads_per_row = row_threads(math.gcd(head_dim, head_dim_v), self.vec)
         self.pieces_per_thread = head_dim // self.vec // self.threads_per_row
+        self.pieces_v_per_thread = head_dim_v // self.vec // self.threads_per_row
         self.rows_per_cta = 128 // self.threads_per_row
 
 
 class Preprocess(RowPass):
-    """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32, the LSE in log2 units
-    with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf) = 0
-    there), and the float32 dQ sum zeroed."""
+    """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32 (D_v wide), the LSE in
+    log2 units with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf)
+    = 0 there), and the float32 dQ sum (D wide) zeroed."""
 
     @cute.jit
     def __call__(self, mdO: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
@@ -388,11 +405,13 @@ class Preprocess(RowPass):
         if row < mdO.shape[1]:
             zeros = cute.make_rmem_tensor(self.vec, cutlass.Float32)
             zeros.fill(0.0)
-            for i in cutlass.range_constexpr(self.pieces_per_thread):
+            for i in cutlass.range_constexpr(self.pieces_v_per_thread):
                 piece = chunk + i * self.threads_per_row
                 do = cute.local_tile(mdO[batch, row, head, None], (self.vec,), (piece,)).load().to(cutlass.Float32)
                 o = cute.local_tile(mO[batch, row, head, None], (self.vec,), (piece,)).load().to(cutlass.Float32)
                 partial += (do * o).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+            for i in cutlass.range_constexpr(self.pieces_per_thread):
+                piece = chunk + i * self.threads_per_row
                 cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (piece,)))
             lse = mLSE[batch, head, row]
             if lse != -cutlass.Float32.inf:
@@ -427,13 +446,13 @@ class ConvertDQ(RowPass):
 # --8<-- [end:preprocess]
 
 
-def rows_layout(dtype, shape: tuple, span: int | None = None, order: tuple = (0, 1)) -> cute.ComposedLayout:
-    """A swizzled (rows, columns) tile, columns contiguous, of the widest atom that ``span`` columns (by
-    default ``swizzle_span`` of the columns) allow; the atoms follow one another down the rows first, or
+def rows_layout(dtype, shape: tuple, span: int | None = None, order: tuple | None = None) -> cute.ComposedLayout:
+    """A swizzled (rows, columns[, buffers]) tile, columns contiguous, of the widest atom that ``span`` columns
+    (by default ``swizzle_span`` of the columns) allow; the atoms follow one another down the rows first, or
     along the columns first with ``order=(1, 0)``."""
     span = span or swizzle_span(shape[1])
     atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, span), dtype)
-    return cute.tile_to_shape(atom, shape, order=order)
+    return cute.tile_to_shape(atom, shape, order=order or tuple(range(len(shape))))
 
 
 def bhs_as_s_h_b(t: cute.Tensor) -> cute.Tensor:
@@ -447,13 +466,18 @@ class AttentionBackward:
 
     preprocess, postprocess = Preprocess, ConvertDQ
     q_tile_rows = Q_TILE_ROWS  # the host pads the LSE and D to whole Q tiles, and counts deterministic turns per tile
+    kv_tile_keys = staticmethod(kv_tile_keys)  # and rotates deterministic turns only while every KV tile is resident
 
     def __init__(self, config, deterministic: bool = False):
         self.config = config
         self.deterministic = deterministic  # dQ's shares added in a fixed order (KeyTileMask.dq_turn)
         self.dtype = config.cute_dtype
-        self.head_dim = config.head_dim
+        self.head_dim, self.head_dim_v = config.head_dim, config.dv
         self.tile_m = Q_TILE_ROWS[config.head_dim]
+        self.tile_n = kv_tile_keys(config.head_dim)
+        # Warpgroups along dK's and dV's columns (and S^T's query rows): with two, P^T and dS^T go through
+        # shared memory to both (KEY_WARPGROUPS)
+        self.column_wgs = MMA_WGS // KEY_WARPGROUPS[config.head_dim]
         self.mma_threads = 128 * MMA_WGS
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then the MMA warpgroups
 
@@ -465,17 +489,18 @@ class AttentionBackward:
         mQ, mK, mV, mdO = (bshd_as_rows_dim(t) for t in (mQ, mK, mV, mdO))
         mdQaccum, mdK, mdV = (bshd_as_rows_dim(t) for t in (mdQaccum, mdK, mdV))
         mLSE, mD = bhs_as_s_h_b(mLSE), bhs_as_s_h_b(mD)
-        sdp_mma, dkv_mma, dq_mma = self.tiled_mmas()
+        sdp_mma, dv_mma, dk_mma, dq_mma = self.tiled_mmas()
         layouts = self.smem_layouts()
         self.define_shared_storage(*layouts)
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout = layouts
         one_stage = (None, None, 0)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        d = self.head_dim
+        d, dv, tile_n = self.head_dim, self.head_dim_v, self.tile_n
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(sQ_layout, one_stage), (self.tile_m, d))
-        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sdO_layout, one_stage), (self.tile_m, d))
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (TILE_N, d))
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (TILE_N, d))
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(g2s, mdO, cute.slice_(sdO_layout, one_stage),
+                                                      (self.tile_m, dv))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (tile_n, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (tile_n, dv))
         row_layout = cute.make_layout(self.tile_m)
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row_layout, (self.tile_m,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD, row_layout, (self.tile_m,))
@@ -483,42 +508,47 @@ class AttentionBackward:
         tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, dq_part,
                                                       cute.product_each(dq_part.shape))
         s2g = cpasync.CopyBulkTensorTileS2GOp()
-        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (TILE_N, d))
-        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (TILE_N, d))
-        n_blocks = (mK.shape[0] + TILE_N - 1) // TILE_N
+        tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (tile_n, d))
+        tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (tile_n, dv))
+        n_blocks = (mK.shape[0] + tile_n - 1) // tile_n
         self.kernel(
-            sdp_mma, dkv_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
+            sdp_mma, dv_mma, dk_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_lse, tma_mLSE, tma_d, tma_mD, tma_dq, tma_mdQ, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
             scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, rotate, *layouts,
         ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # a register count at entry: without one ptxas may ignore setmaxnreg (C7508)
 
     def tiled_mmas(self):
-        """(S^T = K Q^T and dP^T = V dO^T; dV += P^T dO and dK += dS^T Q; dQ = dS K) as tiled WGMMAs."""
-        dtype, d = self.dtype, self.head_dim
-        # Warpgroup w owns keys [64 w, 64 w + 64) of the KV tile in the first four products.
+        """(S^T = K Q^T and dP^T = V dO^T; dV += P^T dO; dK += dS^T Q; dQ = dS K) as tiled WGMMAs."""
+        dtype, d, dv, parts = self.dtype, self.head_dim, self.head_dim_v, self.column_wgs
+        # Warpgroup w owns keys [64 w, 64 w + 64) of the KV tile in the first four products, or, with the
+        # columns split (KEY_WARPGROUPS), query rows of S^T and dP^T and columns of dV and dK.
         sdp_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (MMA_WGS, 1, 1), (64, self.tile_m))
-        # P^T and dS^T from registers; dO and Q read M/N-major (head_dim contiguous).
-        dkv_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS, 1, 1), (64, d),
-            warpgroup.OperandSource.RMEM)
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (MMA_WGS // parts, parts, 1),
+            (64, self.tile_m // parts))
+        # P^T and dS^T from registers (or shared memory); dO and Q read M/N-major (head_dim contiguous).
+        source = warpgroup.OperandSource.RMEM if parts == 1 else warpgroup.OperandSource.SMEM
+        dv_mma, dk_mma = (sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS // parts, parts, 1),
+            (64, n // parts), source) for n in (dv, d))
         # dQ: warpgroup w owns part w of the tile (dq_parts); dS and K both M/N-major.
         row_parts, col_parts = self.dq_parts()
         dq_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (row_parts, col_parts, 1),
             (64, d // col_parts))
-        return sdp_mma, dkv_mma, dq_mma
+        return sdp_mma, dv_mma, dk_mma, dq_mma
 
     def smem_layouts(self):
-        """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ, a buffer per Q buffer), dQ in float32."""
-        dtype, d = self.dtype, self.head_dim
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, self.tile_m, d), dtype, Q_STAGES)
-        sdO_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_N, self.tile_m, d), dtype, Q_STAGES)
-        kv_layout = rows_layout(dtype, (TILE_N, d))
-        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, TILE_N), dtype, Q_STAGES)
+        """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ, a buffer per Q buffer; P^T's after them
+        when it goes through shared memory), dQ in float32."""
+        dtype, d, dv, parts = self.dtype, self.head_dim, self.head_dim_v, self.column_wgs
+        # Q and dO: K-major for S^T and dP^T, each warpgroup's columns of them an M/N-major operand of dK, dV
+        sQ_layout, sdO_layout = (rows_layout(dtype, (self.tile_m, n, Q_STAGES), span=n // parts) for n in (d, dv))
+        sK_layout, sV_layout = rows_layout(dtype, (self.tile_n, d)), rows_layout(dtype, (self.tile_n, dv))
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, self.tile_n), dtype,
+                                                   Q_STAGES * (1 if parts == 1 else 2))
         sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, d), order=self.dq_atom_order())
-        return sQ_layout, sdO_layout, kv_layout, kv_layout, sdS_layout, sdQ_layout
+        return sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout
 
     def dq_parts(self) -> tuple:
         """(row parts, column parts) of the dQ tile, one part per dQ warpgroup: by rows where the Q tile has a
@@ -564,7 +594,7 @@ class AttentionBackward:
         self.kv_bytes = cute.size_in_bytes(dtype, sK_layout) + cute.size_in_bytes(dtype, sV_layout)
 
     @cute.kernel
-    def kernel(self, sdp_mma: cute.TiledMma, dkv_mma: cute.TiledMma, dq_mma: cute.TiledMma,
+    def kernel(self, sdp_mma: cute.TiledMma, dv_mma: cute.TiledMma, dk_mma: cute.TiledMma, dq_mma: cute.TiledMma,
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_d: cute.CopyAtom, mD: cute.Tensor,
@@ -592,7 +622,7 @@ class AttentionBackward:
             cute.arch.setmaxregister_increase(REGISTERS[MMA_WGS][1])
             n_block, head_kv, batch = self.tile_coordinates()
             group = mQ.shape[2] // mK.shape[2]
-            self.mma(sdp_mma, dkv_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
+            self.mma(sdp_mma, dv_mma, dk_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
                      batch, group, mQ.shape[0], mK.shape[0], scale_log2, softmax_scale, window_left, window_right,
                      num_sink_tokens, rotate)
         else:
@@ -651,11 +681,11 @@ class AttentionBackward:
         """The producer warp: this CTA's K and V, then Q, LSE, dO, D of every step, two steps ahead."""
         sQ, sdO, sK, sV, _, _, sLSE, sD = smem
         pipeline_kv, pipeline_q, pipeline_do = pipes
-        d = self.head_dim
+        d, dv = self.head_dim, self.head_dim_v
         one_cta = cute.make_layout(1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, dv), (n_block, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         pipeline_kv.producer_acquire(kv_state)
@@ -675,7 +705,7 @@ class AttentionBackward:
             head = head_kv * group + step // n_m
             m_block = q_tile(step % n_m, m_block_min, n_m)
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, d), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, d), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, dv), (None, 0))
             gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
             gD = cute.local_tile(mD[None, head, batch], (self.tile_m,), (None,))
             tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one_cta, cute.group_modes(sQ, 0, 2),
@@ -747,7 +777,7 @@ class AttentionBackward:
 
     # --8<-- [start:consumer]
     @cute.jit
-    def mma(self, sdp_mma, dkv_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes,
+    def mma(self, sdp_mma, dv_mma, dk_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes,
             n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
             seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32, scale_log2: cutlass.Float32,
             softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
@@ -768,19 +798,20 @@ class AttentionBackward:
         tSrV = thr_sdp_wg.make_fragment_A(thr_sdp_wg.partition_A(sV))
         tSrQ = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sQ))    # (MMA, N, K, Q_STAGES)
         tSrdO = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sdO))
-        acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, self.tile_m)))
-        acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TILE_N, self.tile_m)))
-        tStcSt = thr_sdp.partition_C(cute.make_identity_tensor((TILE_N, self.tile_m)))
-        # dS^T into the rows-contiguous dS buffer by stmatrix: per instruction four 8x8 blocks, 16 bytes a lane.
+        acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        tStcSt = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        # dS^T (and P^T) into the rows-contiguous dS buffers by stmatrix: per instruction four 8x8 blocks, 16 bytes
+        # a lane.
         ds_store = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, cutlass.Float32)
         thr_ds = cute.make_tiled_copy_C(ds_store, sdp_mma).get_slice(mma_tidx)
-        tdSsdS = thr_ds.partition_D(transposed(sdS))                 # (CPY, CPY_M, CPY_N, Q_STAGES)
-        thr_dkv = dkv_mma.get_slice(mma_tidx)
-        thr_dkv_wg = dkv_mma.get_slice(wg_thread0)
-        tdVrdO = thr_dkv_wg.make_fragment_B(thr_dkv_wg.partition_B(transposed(sdO)))  # dO^T: (N = d, K = rows)
-        tdKrQ = thr_dkv_wg.make_fragment_B(thr_dkv_wg.partition_B(transposed(sQ)))
-        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
-        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TILE_N, d)))
+        tdSsdS = thr_ds.partition_D(transposed(sdS))                 # (CPY, CPY_M, CPY_N, buffers)
+        thr_dv, thr_dk = dv_mma.get_slice(mma_tidx), dk_mma.get_slice(mma_tidx)
+        thr_dv_wg, thr_dk_wg = dv_mma.get_slice(wg_thread0), dk_mma.get_slice(wg_thread0)
+        tdVrdO = thr_dv_wg.make_fragment_B(thr_dv_wg.partition_B(transposed(sdO)))  # dO^T: (N = dv, K = rows)
+        tdKrQ = thr_dk_wg.make_fragment_B(thr_dk_wg.partition_B(transposed(sQ)))
+        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
+        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, d)))
         dq_threads = 128 * DQ_WARPGROUPS[d]
         computes_dq = mma_tidx < dq_threads if DQ_WARPGROUPS[d] < MMA_WGS else True  # every warpgroup, or the first
         thr_dq = dq_mma.get_slice(mma_tidx % dq_threads)
@@ -790,12 +821,18 @@ class AttentionBackward:
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, d)))
         tdQsdQ = thr_dq.partition_C(sdQ)
         dq_swizzle = self.smem_layouts()[5].inner
-        # P^T and dS^T as 16-bit A operands, in the registers' order of S^T (stage 8's P)
+        # P^T and dS^T in 16 bits, in the registers' order of S^T (stage 8's P): the A operands of dV and dK, or
+        # stored for them (with the columns split, their A operands are the whole tiles, in shared memory)
         rP = cute.make_rmem_tensor_like(acc_St, self.dtype)
-        tdVrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
         rdS = cute.make_rmem_tensor_like(acc_dPt, self.dtype)
-        tdKrdS = cute.make_tensor(rdS.iterator, acc_layout_as_operand_a(rdS.layout))
-        tdSrdS = thr_ds.retile(rdS)
+        tdSrP, tdSrdS = thr_ds.retile(rP), thr_ds.retile(rdS)
+        p_in_registers = self.column_wgs == 1
+        if cutlass.const_expr(p_in_registers):
+            tdVrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
+            tdKrdS = cute.make_tensor(rdS.iterator, acc_layout_as_operand_a(rdS.layout))
+        else:
+            tdVrP = thr_dv_wg.make_fragment_A(thr_dv_wg.partition_A(transposed(sdS)))  # (MMA, M, K, buffers)
+            tdKrdS = thr_dk_wg.make_fragment_A(thr_dk_wg.partition_A(transposed(sdS)))
 
         mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate)
         m_block_min, m_block_max = mask.m_block_range()
@@ -823,15 +860,24 @@ class AttentionBackward:
             probabilities_and_score_gradients(acc_St, acc_dPt, tStcSt, sLSE[None, q], sD[None, o], scale_log2)
             rP.store(acc_St.load().to(self.dtype))
             rdS.store(acc_dPt.load().to(self.dtype))
-            warpgroup_gemm(dkv_mma, acc_dV, tdVrP, tdVrdO[None, None, None, o], zero_init=False)
-            # dS^T to shared memory, the buffer of Q's: its last readers, both warpgroups' dQ MMAs two steps
-            # back, were complete before the other warpgroup reached the last step's DS_READY.
+            # dS^T (and P^T) to shared memory, the buffer of Q's (P^T's Q_STAGES on): its last readers, both
+            # warpgroups' MMAs two steps back, were complete before the other warpgroup reached the last step's
+            # DS_READY.
+            if cutlass.const_expr(p_in_registers):
+                dS_t = tdKrdS
+                warpgroup_gemm(dv_mma, acc_dV, tdVrP, tdVrdO[None, None, None, o], zero_init=False)
+            else:
+                dS_t = tdKrdS[None, None, None, q]
+                cute.copy(ds_store, tdSrP, ring_buffer(tdSsdS, Q_STAGES + q))
             cute.copy(ds_store, tdSrdS, ring_buffer(tdSsdS, q))
             cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy stores, then WGMMA reads
             cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=self.mma_threads)
+            if cutlass.const_expr(not p_in_registers):
+                warpgroup_gemm(dv_mma, acc_dV, tdVrP[None, None, None, Q_STAGES + q], tdVrdO[None, None, None, o],
+                               zero_init=False)
             if computes_dq:
                 warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK)
-                warpgroup_gemm(dkv_mma, acc_dK, tdKrdS, tdKrQ[None, None, None, q], zero_init=False)
+                warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
                 # dQ into this warpgroup's part of the buffer while dK's MMAs run; the dQ warp adds it.
                 warpgroup.wait_group(1)
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY) + mma_wg, number_of_threads=DQ_PART_THREADS)
@@ -841,37 +887,35 @@ class AttentionBackward:
                                          number_of_threads=DQ_PART_THREADS)
                 warpgroup.wait_group(0)
             else:  # each branch waits for its own MMAs: ptxas serializes them all if a wait spans the two
-                warpgroup_gemm(dkv_mma, acc_dK, tdKrdS, tdKrQ[None, None, None, q], zero_init=False)
+                warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
                 warpgroup.wait_group(0)
             pipeline_q.consumer_release(q_state)
             pipeline_do.consumer_release(do_state)
             q_state.advance()
             do_state.advance()
-        self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, dkv_mma, mma_tidx, n_block, head_kv,
-                         batch, softmax_scale)
+        self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx, n_block,
+                         head_kv, batch, softmax_scale)
         pipeline_kv.consumer_release(kv_state)
     # --8<-- [end:consumer]
 
     @cute.jit
-    def store_dk_dv(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, dkv_mma, mma_tidx, n_block, head_kv,
-                    batch, softmax_scale: cutlass.Float32):
+    def store_dk_dv(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx, n_block,
+                    head_kv, batch, softmax_scale: cutlass.Float32):
         """dK (times softmax_scale) and dV to 16 bits, into K's and V's shared memory, then TMA stores
         (rows past S_k are clipped by the TMA unit)."""
-        d = self.head_dim
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
-        thr_dkv = dkv_mma.get_slice(mma_tidx)
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)  # K, V read
-        cute.autovec_copy(rdK, thr_dkv.partition_C(sK))
-        cute.autovec_copy(rdV, thr_dkv.partition_C(sV))
+        cute.autovec_copy(rdK, thr_dk.partition_C(sK))
+        cute.autovec_copy(rdV, thr_dv.partition_C(sV))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)
         if mma_tidx < 32:
             one_cta = cute.make_layout(1)
-            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (TILE_N, d), (n_block, 0))
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))
             bsK, bgK = cpasync.tma_partition(tma_dk, 0, one_cta, cute.group_modes(sK, 0, 2), cute.group_modes(gdK, 0, 2))
             bsV, bgV = cpasync.tma_partition(tma_dv, 0, one_cta, cute.group_modes(sV, 0, 2), cute.group_modes(gdV, 0, 2))
             cute.copy(tma_dk, bsK, bgK)

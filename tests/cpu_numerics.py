@@ -1393,11 +1393,15 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
 
 # ---------------------------------------------------------------- stage 11: a KV tile's Q tiles, P and dS
 
-def sdp_tiled_mma(module, tile_m: int):
-    """S^T = K Q^T partitioned as stage 11 does it (sdp_mma), for Q tiles of ``tile_m`` rows: the (key, row) of
-    each register."""
-    return sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K, OperandMajorMode.K,
-                                             Float32, (module.MMA_WGS, 1, 1), (64, tile_m))
+def backward_kernel(module, head_dim: int):
+    """Stage 11's kernel for ``head_dim`` (its tiles, tiled MMAs and layouts; fp16, no mask)."""
+    return module.AttentionBackward(prefill.KernelConfig(head_dim=head_dim))
+
+
+def sdp_tiled_mma(module, head_dim: int):
+    """S^T = K Q^T partitioned as stage 11's kernel for ``head_dim`` does it (sdp_mma): the (key, row) of each
+    register."""
+    return backward_kernel(module, head_dim).tiled_mmas()[0]
 
 
 @cute.jit
@@ -1406,12 +1410,12 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
                  left: Int32, right: Int32, num_sink_tokens: Int32):
     """KeyTileMask of KV tile ``n_block`` on every register of every MMA thread, for each Q tile.
 
-    ``scores`` [TILE_N, m_blocks * the config's Q tile], zeros, gets -inf where ``apply_transposed`` masks;
+    ``scores`` [the config's KV tile, m_blocks * its Q tile], zeros, gets -inf where ``apply_transposed`` masks;
     ``tiles`` gets [m_block_min, m_block_max] (``m_block_range``), then ``tile_is_partial`` of each Q tile,
     then ``dq_turn`` of each Q tile (the deterministic dQ order).
     """
-    tile_m = module.Q_TILE_ROWS[config.head_dim]
-    sdp_mma = sdp_tiled_mma(module, tile_m)
+    tile_m, tile_n = module.Q_TILE_ROWS[config.head_dim], module.kv_tile_keys(config.head_dim)
+    sdp_mma = sdp_tiled_mma(module, config.head_dim)
     mask = module.KeyTileMask(n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
     m_block_min, m_block_max = mask.m_block_range()
     tiles[0] = m_block_min
@@ -1426,8 +1430,8 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
     for m_block in range(m_blocks):
         for thread in range(MMA_THREADS):
             thr = sdp_mma.get_slice(thread)
-            acc = thr.make_fragment_C(thr.partition_shape_C((module.TILE_N, tile_m)))
-            coord = thr.partition_C(cute.make_identity_tensor((module.TILE_N, tile_m)))
+            acc = thr.make_fragment_C(thr.partition_shape_C((tile_n, tile_m)))
+            coord = thr.partition_C(cute.make_identity_tensor((tile_n, tile_m)))
             acc.fill(0.0)
             apply(acc, coord, m_block)
             for i in cutlass.range(cute.size(acc), unroll_full=True):
@@ -1444,7 +1448,7 @@ def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]],
     sinks = features.get("num_sink_tokens", 0)
     config = prefill.KernelConfig(head_dim=head_dim, has_left=left >= 0, has_right=right >= 0,
                                   has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.TILE_N
+    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.kv_tile_keys(head_dim)
     m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
     scores = torch.zeros(tile_n, m_blocks * tile_m)
     tiles = torch.zeros(2 + 2 * m_blocks, dtype=torch.int32)
@@ -1518,7 +1522,7 @@ def check_deterministic_turns(module, features: dict, lengths: list[tuple[int, i
     sinks = features.get("num_sink_tokens", 0)
     config = prefill.KernelConfig(head_dim=head_dim, has_left=left >= 0, has_right=right >= 0,
                                   has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.TILE_N
+    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.kv_tile_keys(head_dim)
     m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
     out = torch.zeros(3, m_blocks, dtype=torch.int32)
     for s_q, s_k in lengths:
@@ -1555,13 +1559,13 @@ def check_deterministic_turns(module, features: dict, lengths: list[tuple[int, i
 
 
 @cute.jit
-def score_gradients(module: cutlass.Constexpr, s: cute.Tensor, dp: cute.Tensor, lse: cute.Tensor, d: cute.Tensor,
-                    scale_log2: Float32):
-    """probabilities_and_score_gradients on every MMA thread's registers: s [TILE_N, Q tile] becomes P^T, dp dS^T
-    (the Q tile of s's shape)."""
-    sdp_mma = sdp_tiled_mma(module, s.shape[1])
+def score_gradients(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, s: cute.Tensor, dp: cute.Tensor,
+                    lse: cute.Tensor, d: cute.Tensor, scale_log2: Float32):
+    """probabilities_and_score_gradients on every MMA thread's registers of ``head_dim``'s kernel: s [KV tile,
+    Q tile] becomes P^T, dp dS^T."""
+    sdp_mma = sdp_tiled_mma(module, head_dim)
     gradients = module.probabilities_and_score_gradients  # (a runtime loop may not carry the module)
-    shape = (module.TILE_N, s.shape[1])
+    shape = tuple(s.shape)
     for thread in range(MMA_THREADS):
         thr = sdp_mma.get_slice(thread)
         acc_s = thr.make_fragment_C(thr.partition_shape_C(shape))
@@ -1578,11 +1582,11 @@ def score_gradients(module: cutlass.Constexpr, s: cute.Tensor, dp: cute.Tensor, 
             dp[key, row] = acc_dp[i]
 
 
-def check_score_gradients(module) -> None:
-    """P^T = exp2(S^T scale log2(e) - LSE) and dS^T = P^T (dP^T - D) for each (key, row), against float64, with
-    masked scores (-inf) and a row that sees nothing (LSE +inf)."""
+def check_score_gradients(module, head_dim: int = 64) -> None:
+    """P^T = exp2(S^T scale log2(e) - LSE) and dS^T = P^T (dP^T - D) for each (key, row) of ``head_dim``'s tiles,
+    against float64, with masked scores (-inf) and a row that sees nothing (LSE +inf)."""
     gen = torch.Generator().manual_seed(11)
-    tile_n, tile_m = module.TILE_N, max(module.Q_TILE_ROWS.values())
+    tile_n, tile_m = module.kv_tile_keys(head_dim), module.Q_TILE_ROWS[head_dim]
     s = torch.randn(tile_n, tile_m, generator=gen) * 3
     s[:, 5] = -math.inf
     s[7, :] = -math.inf
@@ -1595,7 +1599,7 @@ def check_score_gradients(module) -> None:
     ds_expected = p_expected * (dp.double() - d.double())
     s_out, dp_out = s.clone(), dp.clone()
     args = (s_out, dp_out, lse, d, scale_log2)
-    compile_on_cpu(score_gradients, (module,), args)(*args)
+    compile_on_cpu(score_gradients, (module, head_dim), args)(*args)
     for name, got, expected in (("P^T", s_out, p_expected), ("dS^T", dp_out, ds_expected)):
         if torch.isnan(got).any():
             key, row = torch.isnan(got).nonzero()[0].tolist()
@@ -1616,7 +1620,7 @@ def dq_fragment_offsets(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, 
     and the tile's swizzle Sw<B, M, S> as (B, M, S)."""
     config = next(c for c in module.KERNEL_CONFIGS if c.head_dim == head_dim)
     kernel = module.AttentionBackward(config)
-    _, _, dq_mma = kernel.tiled_mmas()
+    dq_mma = kernel.tiled_mmas()[-1]
     sdQ_layout = kernel.smem_layouts()[5]
     swizzle = sdQ_layout.inner
     swizzle_bits[0], swizzle_bits[1], swizzle_bits[2] = swizzle.num_bits, swizzle.num_base, swizzle.num_shift

@@ -1,5 +1,5 @@
 """Stage 11 checks: dQ, dK, dV (and dsink) against the float64 reference's autograd, within twice the error
-of PyTorch's own backward in the same precision: fp16 and bf16, D 64, 80, 96 and 128, MHA, GQA and MQA, lengths that
+of PyTorch's own backward in the same precision: fp16 and bf16, D 64, 80, 96, 128, 192 and (192, 128), MHA, GQA and MQA, lengths that
 are not tile multiples with S_q != S_k both ways, every mask (causal, windows, sink tokens) and sink logits;
 rows that see no key (exactly zero gradients), NaN-poisoned gradient buffers, and the validation of the
 backward's own arguments.
@@ -31,11 +31,15 @@ MASKS = {
 }
 
 
-HEAD_DIMS = [d for d, _ in backward.HEAD_DIMS]
-# (D, H_q, H_kv): every grouping at 64 and 128; at 80 and 96 (their own swizzles, row passes of several
-# pieces per thread) GQA 4:1.
-DIMS_HEADS = [(d, h_q, h_kv) for d in HEAD_DIMS for h_q, h_kv in testing.GQA_HEADS
+HEAD_DIMS = list(backward.HEAD_DIMS)  # (D, D_v)
+# (D, D_v, H_q, H_kv): every grouping at 64 and 128; at the others (their own swizzles, row passes of several
+# pieces per thread; from 192 on, the warpgroups split dK's and dV's columns) GQA 4:1.
+DIMS_HEADS = [(d, d_v, h_q, h_kv) for d, d_v in HEAD_DIMS for h_q, h_kv in testing.GQA_HEADS
               if d in testing.HEAD_DIMS or (h_q, h_kv) == (8, 2)]
+
+
+def dims_id(d: int, d_v: int) -> str:
+    return f"d{d}" + (f"v{d_v}" if d_v != d else "")
 
 
 def features_of(mask: str, heads_q: int) -> dict:
@@ -47,8 +51,8 @@ def features_of(mask: str, heads_q: int) -> dict:
 
 # ---------------------------------------------------------------- validation (CPU)
 
-def cpu_inputs(s_q=16, s_k=16, h_q=4, h_kv=2, d=64, dtype=torch.float16):
-    q, k, v = testing.random_qkv(1, s_q, s_k, h_q, h_kv, d, dtype, device="cpu")
+def cpu_inputs(s_q=16, s_k=16, h_q=4, h_kv=2, d=64, dtype=torch.float16, d_v=None):
+    q, k, v = testing.random_qkv(1, s_q, s_k, h_q, h_kv, d, dtype, device="cpu", head_dim_v=d_v)
     return {"do": torch.randn_like(q), "q": q, "k": k, "v": v, "o": torch.randn_like(q),
             "lse": torch.zeros(1, h_q, s_q)}
 
@@ -62,7 +66,8 @@ BAD_BACKWARD = {
     "lse-dtype": (lambda: {**cpu_inputs(), "lse": torch.zeros(1, 4, 16, dtype=torch.float16)}, ValueError, "float32"),
     "dk-shape": (lambda: {**cpu_inputs(), "dk": torch.zeros(1, 16, 4, 64, dtype=torch.float16)}, ValueError,
                  "dk has shape"),
-    "head-dim-256": (lambda: cpu_inputs(d=256), NotImplementedError, "head_dim 256.*stage 11.*takes 64, 80, 96, 128"),
+    "head-dim-256": (lambda: cpu_inputs(d=256), NotImplementedError,
+                     r"head_dim 256.*stage 11.*takes 64, 80, 96, 128, 192, or 192 for q and k with 128 for v"),
     "deterministic-not-bool": (lambda: {**cpu_inputs(), "deterministic": 1}, TypeError, "deterministic must be"),
     "q-fp32": (lambda: {k: (v.float() if k in "qkv" else v) for k, v in cpu_inputs().items()}, TypeError, "float16"),
 }
@@ -77,21 +82,22 @@ def test_bad_backward_input_is_rejected_before_launch(stage, name):
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
-def test_row_passes_cross_compile(stage, head_dim):
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda dims: dims_id(*dims))
+def test_row_passes_cross_compile(stage, dims):
     """The preprocess and postprocess kernels compile for sm_90a (fp16 one, bf16 the other), without spilling."""
     from course.runtime.compile import cross_compile
 
-    for make, dtype in ((backward.preprocess_kernel_and_args, torch.float16),
-                        (backward.postprocess_kernel_and_args, torch.bfloat16)):
-        kernel, args = make(stage.AttentionBackward, dtype, head_dim)
-        report = cross_compile(kernel, *args, name=f"stage11_{make.__name__}_d{head_dim}")
+    head_dim, head_dim_v = dims
+    for kernel, args in (backward.preprocess_kernel_and_args(stage.AttentionBackward, torch.float16, *dims),
+                         backward.postprocess_kernel_and_args(stage.AttentionBackward, torch.bfloat16, head_dim)):
+        report = cross_compile(kernel, *args, name=f"stage11_{type(kernel).__name__}_{dims_id(*dims)}")
         assert report.spill_bytes in (0, None), f"{report.name} spills {report.spill_bytes} bytes"
 
 
 @pytest.mark.compiles
 @pytest.mark.parametrize("name", ["float16_d64_full", "bfloat16_d64_LRT", "float16_d64_L", "float16_d128_R",
-                                  "bfloat16_d128_LRT", "float16_d80_full", "bfloat16_d96_LRT"])
+                                  "bfloat16_d128_LRT", "float16_d80_full", "bfloat16_d96_LRT", "float16_d192_R",
+                                  "bfloat16_d192v128_LRT"])
 def test_deterministic_mode_cross_compiles(stage, name):
     """The deterministic mode's turn-taking around each dQ reduce-add compiles for sm_90a without spilling."""
     config = next(c for c in stage.KERNEL_CONFIGS if c.name == name)
@@ -101,18 +107,19 @@ def test_deterministic_mode_cross_compiles(stage, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"d{d}")
-def test_preprocess_pads_rows_that_see_nothing(stage, head_dim):
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda dims: dims_id(*dims))
+def test_preprocess_pads_rows_that_see_nothing(stage, dims):
     """The preprocess: D = rowsum(dO * O) in float32, the LSE in log2 units with +inf for an empty row (-inf) and
-    for the padding up to whole Q tiles (so P = 0 there), D = 0 on the padding, the dQ sum zeroed."""
+    for the padding up to whole Q tiles (so P = 0 there), D = 0 on the padding, the dQ sum (D wide) zeroed."""
     from course.runtime import launch
 
-    do, o = (torch.randn(1, 3, 2, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    head_dim, head_dim_v = dims
+    do, o = (torch.randn(1, 3, 2, head_dim_v, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lse = torch.tensor([[[0.5, -float("inf"), 1.0], [2.0, 0.0, -float("inf")]]], device="cuda")
     lse2, d = (torch.full((1, 2, 64), float("nan"), device="cuda") for _ in range(2))
-    dq_accum = torch.full(do.shape, float("nan"), device="cuda")
-    pre = launch.compiled((stage.AttentionBackward.preprocess, do.dtype, head_dim), lambda: (
-        backward.preprocess_kernel_and_args(stage.AttentionBackward, do.dtype, head_dim)))
+    dq_accum = torch.full((1, 3, 2, head_dim), float("nan"), device="cuda")
+    pre = launch.compiled((stage.AttentionBackward.preprocess, do.dtype, *dims), lambda: (
+        backward.preprocess_kernel_and_args(stage.AttentionBackward, do.dtype, *dims)))
     pre(do, o, lse, lse2, d, dq_accum)
     expected = torch.where(torch.isinf(lse), float("inf"), lse * backward.LOG2_E)
     torch.testing.assert_close(lse2[..., :3], expected)
@@ -163,15 +170,17 @@ def run_backward(stage, q, k, v, do, features, poisoned=True):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("head_dim, h_q, h_kv", DIMS_HEADS, ids=[f"d{d}-h{a}-kv{b}" for d, a, b in DIMS_HEADS])
+@pytest.mark.parametrize("head_dim, head_dim_v, h_q, h_kv", DIMS_HEADS,
+                         ids=[f"{dims_id(d, d_v)}-h{a}-kv{b}" for d, d_v, a, b in DIMS_HEADS])
 @pytest.mark.parametrize("dtype", testing.DTYPES, ids=["fp16", "bf16"])
-def test_gradients_match_reference(stage, dtype, head_dim, h_q, h_kv, lengths, mask):
+def test_gradients_match_reference(stage, dtype, head_dim, head_dim_v, h_q, h_kv, lengths, mask):
     s_q, s_k = lengths
-    q, k, v = testing.random_qkv(2, s_q, s_k, h_q, h_kv, head_dim, dtype, seed=s_q * 7 + s_k)
-    do = torch.randn_like(q)
+    q, k, v = testing.random_qkv(2, s_q, s_k, h_q, h_kv, head_dim, dtype, seed=s_q * 7 + s_k, head_dim_v=head_dim_v)
+    do = torch.randn(*q.shape[:3], head_dim_v, device=q.device, dtype=dtype)
     features = features_of(mask, h_q)
     grads, out = run_backward(stage, q, k, v, do, features)
-    testing.assert_gradients_match(grads, q, k, v, do, f"stage 11 {dtype} d{head_dim} h{h_q}/{h_kv} {lengths} {mask}",
+    testing.assert_gradients_match(grads, q, k, v, do,
+                                   f"stage 11 {dtype} {dims_id(head_dim, head_dim_v)} h{h_q}/{h_kv} {lengths} {mask}",
                                    out=out, **features)
 
 
@@ -244,17 +253,21 @@ CPU_MASKS = {
 CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64), (64, 129), (3, 200), (400, 400), (200, 700)]
 
 
+TILINGS = {128: "q-tiles-64", 64: "q-tiles-128", 192: "kv-tiles-64"}
+
+
 @pytest.mark.compiles
-@pytest.mark.parametrize("head_dim", [128, 64], ids=["q-tiles-64", "q-tiles-128"])
+@pytest.mark.parametrize("head_dim", list(TILINGS), ids=list(TILINGS.values()))
 @pytest.mark.parametrize("mask", list(CPU_MASKS))
 def test_on_cpu_m_block_range(stage, mask, head_dim):
     """KeyTileMask (exercise 11): the Q tiles a KV tile visits, and its mask, against the reference's visibility,
-    with the Q tiles of D = 128's kernel (64 rows) and of D = 64's (128 rows)."""
+    with the tiles of D = 128's kernel (64 rows, 128 keys), of D = 64's (128 rows) and of D = 192's (64 keys,
+    the warpgroups splitting the query rows)."""
     cpu_numerics.check_key_tile_masks(stage, CPU_MASKS[mask], CPU_LENGTHS, head_dim)
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("head_dim", [128, 64], ids=["q-tiles-64", "q-tiles-128"])
+@pytest.mark.parametrize("head_dim", list(TILINGS), ids=list(TILINGS.values()))
 @pytest.mark.parametrize("rotate", [0, 1], ids=["descending", "rotated"])
 @pytest.mark.parametrize("mask", list(CPU_MASKS))
 def test_on_cpu_deterministic_turns(stage, mask, rotate, head_dim):
@@ -265,12 +278,13 @@ def test_on_cpu_deterministic_turns(stage, mask, rotate, head_dim):
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("head_dim", sorted({d for d, _ in HEAD_DIMS}))
 def test_on_cpu_dq_stores_are_swizzled_right_without_bank_conflicts(stage, head_dim):
     """store_swizzled's addresses are the dQ tile's swizzled ones, and a warp's 8-byte stores take two wavefronts."""
     cpu_numerics.check_dq_stores(stage, head_dim)
 
 
 @pytest.mark.compiles
-def test_on_cpu_probabilities_and_score_gradients(stage):
-    cpu_numerics.check_score_gradients(stage)
+@pytest.mark.parametrize("head_dim", [64, 192], ids=["keys-split", "columns-split"])
+def test_on_cpu_probabilities_and_score_gradients(stage, head_dim):
+    cpu_numerics.check_score_gradients(stage, head_dim)

@@ -25,14 +25,13 @@ from course.runtime.compile import (
 
 LOG2_E = math.log2(math.e)
 HEAD_DIMS = validation.BACKWARD_HEAD_DIMS
-KV_TILE = 128  # the kernel's KV tile: one CTA each
 
 
 def kernel_configs() -> list[prefill.KernelConfig]:
     """Both dtypes, every head dim of HEAD_DIMS, every combination of window sides and sink tokens."""
     either = (False, True)
-    return [prefill.KernelConfig(dtype, d, left, right, tokens)
-            for dtype in prefill.DTYPES for d, _ in HEAD_DIMS for left in either for right in either
+    return [prefill.KernelConfig(dtype, d, left, right, tokens, 0 if d_v == d else d_v)
+            for dtype in prefill.DTYPES for d, d_v in HEAD_DIMS for left in either for right in either
             for tokens in (either if left else (False,))]
 
 
@@ -42,7 +41,7 @@ def fake_arguments(config: prefill.KernelConfig) -> tuple:
 
     dtype = getattr(torch, config.dtype)
     symbols: dict = {}
-    q, k, v, do = fake_attention_tensors(dtype, config.head_dim, symbols)
+    q, k, v, do = fake_attention_tensors(dtype, config.head_dim, symbols, head_dim_v=config.dv)
     rows = {}  # LSE and D share their padded sizes, not q's
     lse = symbolic_tensor(torch.float32, ("b", "h", "s_pad"), symbols=rows, stride_divisibility=4)
     d = symbolic_tensor(torch.float32, ("b", "h", "s_pad"), symbols=rows, stride_divisibility=4)
@@ -51,7 +50,7 @@ def fake_arguments(config: prefill.KernelConfig) -> tuple:
     dq_turns = symbolic_tensor(torch.int32, ("tb", "th", "tm"), symbols={}, align=4,
                                stride_divisibility=1)
     dk = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
-    dv = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
+    dv = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.dv), symbols=symbols)
     return (q, k, v, do, lse, d, dq_accum, dq_turns, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0),
             cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0))
 
@@ -62,18 +61,19 @@ def cross_compile_config(kernel_class, config: prefill.KernelConfig, *, stage: i
     return cross_compile(kernel_class(config, deterministic), *fake_arguments(config), name=name, keep=keep)
 
 
-def preprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int):
-    """The preprocess pass (``kernel_class.preprocess``) and its symbolic arguments: dO, O [B, S, H, D]; the LSE
-    [B, H, S]; the padded log2 LSE and D [B, H, S_pad]; the float32 dQ sum [B, S, H, D]."""
+def preprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int, head_dim_v: int | None = None):
+    """The preprocess pass (``kernel_class.preprocess``) and its symbolic arguments: dO, O [B, S, H, D_v]; the
+    LSE [B, H, S]; the padded log2 LSE and D [B, H, S_pad]; the float32 dQ sum [B, S, H, D]."""
     import torch
 
+    head_dim_v = head_dim_v or head_dim
     symbols: dict = {}
-    do, o = (symbolic_tensor(torch_dtype, ("B", "S", "H", head_dim), symbols=symbols) for _ in range(2))
+    do, o = (symbolic_tensor(torch_dtype, ("B", "S", "H", head_dim_v), symbols=symbols) for _ in range(2))
     lse = symbolic_tensor(torch.float32, ("B", "H", "S"), symbols=symbols, align=4, stride_divisibility=1)
     lse2, d = (symbolic_tensor(torch.float32, ("B", "H", "S_pad"), symbols=symbols, stride_divisibility=4)
                for _ in range(2))
     dq_accum = symbolic_tensor(torch.float32, ("B", "S", "H", head_dim), symbols=symbols, stride_divisibility=4)
-    return kernel_class.preprocess(head_dim), (do, o, lse, lse2, d, dq_accum)
+    return kernel_class.preprocess(head_dim, head_dim_v), (do, o, lse, lse2, d, dq_accum)
 
 
 def postprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int):
@@ -130,12 +130,13 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     validation.check_on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse, sink_logits=sink_logits, dq=dq, dk=dk, dv=dv)
     left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, shape)
     config = prefill.KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
-                                  left >= 0 and num_sink_tokens > 0)
+                                  left >= 0 and num_sink_tokens > 0,
+                                  0 if shape.head_dim_v == shape.head_dim else shape.head_dim_v)
     kernel = launch.compiled((kernel_class, config, deterministic),
                              lambda: (kernel_class(config, deterministic), fake_arguments(config)))
     key = (q.dtype, shape.head_dim)
-    pre = launch.compiled((kernel_class.preprocess, *key),
-                          lambda: preprocess_kernel_and_args(kernel_class, *key))
+    pre = launch.compiled((kernel_class.preprocess, *key, shape.head_dim_v),
+                          lambda: preprocess_kernel_and_args(kernel_class, *key, shape.head_dim_v))
     post = launch.compiled((kernel_class.postprocess, *key),
                            lambda: postprocess_kernel_and_args(kernel_class, *key))
     scale = validation.resolve_scale(softmax_scale, shape.head_dim)
@@ -147,7 +148,8 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     # Deterministic and unmasked: each KV tile starts at its own Q tile (KeyTileMask.q_tile), which makes tiles
     # wait on tiles launched after them; safe only while all KV tiles of a head fit on the GPU at once.
     rotate = int(deterministic and not (config.has_left or config.has_right)
-                 and -(-shape.seqlen_k // KV_TILE) <= torch.cuda.get_device_properties(device).multi_processor_count)
+                 and -(-shape.seqlen_k // kernel_class.kv_tile_keys(shape.head_dim))
+                 <= torch.cuda.get_device_properties(device).multi_processor_count)
 
     def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):
         lse_log2, d = (torch.empty(rows, device=device, dtype=torch.float32) for _ in range(2))

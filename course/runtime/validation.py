@@ -303,7 +303,7 @@ def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sin
 # ---------------------------------------------------------------- backward (stage 11)
 
 BACKWARD_STAGE = (11, "the backward pass")
-BACKWARD_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128))
+BACKWARD_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (192, 128))
 
 
 def check_backward_inputs(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),

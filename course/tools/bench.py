@@ -531,9 +531,9 @@ def backward_calls(shape: PrefillShape, module, baselines=("SDPA flash", "SDPA c
     from course import testing
 
     q, k, v = testing.random_qkv(shape.batch, shape.seqlen_q, shape.seqlen_k, shape.heads, shape.heads,
-                                 shape.head_dim, getattr(torch, shape.dtype))
-    do = torch.randn_like(q)
+                                 shape.head_dim, getattr(torch, shape.dtype), head_dim_v=shape.dv)
     out, lse = module.attention(q, k, v, causal=shape.causal, return_lse=True)
+    do = torch.randn_like(out)
     modes = (("", False), (" deterministic", True)) if deterministic else (("", False),)
     calls = {f"stage {module.STAGE}{suffix}": (module.STAGE, partial(module.attention_backward, do, q, k, v, out, lse,
                                                                     causal=shape.causal, deterministic=mode))
