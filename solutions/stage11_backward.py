@@ -22,8 +22,9 @@ FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
        dV  += P^T dO           dK  += dS^T Q
        dQ   = dS K             (added into a float32 dQ in global memory)
    The first two products are computed transposed (K, V are the A operand)
-   so that P^T and dS^T land in registers as the A operand of the next two:
-   they never touch shared memory. dQ needs dS itself, with the Q tile's rows
+   so that P^T and dS^T land in registers as the A operand of the next two
+   (from D = 192, where the warpgroups split the columns instead of the keys,
+   through shared memory: KEY_WARPGROUPS). dQ needs dS itself, with the Q tile's rows
    as M: dS^T goes to shared memory once, and dQ reads it through a
    transposed view. Q and dO are each read in two orientations (K-major for
    S and dP, M-major for dK and dV); one swizzled layout serves both.
@@ -74,7 +75,7 @@ STAGE = 11
 # --8<-- [start:q_tile_rows]
 # Query rows per step (the N of S^T = K Q^T, the M of dQ = dS K), per head dim: 128 where the registers and
 # shared memory hold a step that wide (D = 64: S^T and dP^T take 64 registers each, dK and dV 32), else 64.
-Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64, 192: 64}
+Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64, 192: 64, 256: 64}
 # --8<-- [end:q_tile_rows]
 # --8<-- [start:key_warpgroups]
 # MMA warpgroups along the KV tile's keys, 64 keys each (the M of S^T, dK and dV). Up to D = 128 each warpgroup
@@ -82,9 +83,16 @@ Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64, 192: 64}
 # 2 x D registers a thread, more than it has: a CTA takes 64 keys, and the two warpgroups split the columns of
 # dK and dV, and the query rows of S^T and dP^T. P^T and dS^T then go through shared memory, since each
 # warpgroup's dV and dK need every query row's.
-KEY_WARPGROUPS = {64: 2, 80: 2, 96: 2, 128: 2, 192: 1}
+KEY_WARPGROUPS = {64: 2, 80: 2, 96: 2, 128: 2, 192: 1, 256: 1}
 # --8<-- [end:key_warpgroups]
 Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
+# --8<-- [start:fits_256]
+# At D = 256 the buffers above take more than the 227 KiB of shared memory: dO gets one buffer (the producer loads
+# the next step's once this step's dV product has read it), and dQ's tile goes to the dQ warp in two rounds of
+# half its columns through a buffer half as large.
+DO_STAGES = {64: 2, 80: 2, 96: 2, 128: 2, 192: 2, 256: 1}  # (1 only where every warpgroup computes dQ)
+DQ_ROUNDS = {64: 1, 80: 1, 96: 1, 128: 1, 192: 1, 256: 2}
+# --8<-- [end:fits_256]
 MMA_WGS = 2
 
 
@@ -96,7 +104,7 @@ def kv_tile_keys(head_dim: int) -> int:
 # tile has a block of 64 per warpgroup (128 rows at D = 64), else a part of head_dim's columns. At D = 80 a half
 # (40 columns) would cut K's 16-column swizzle atoms, and narrower atoms cost more than the idle warpgroup
 # (measured on the page): one warpgroup computes all of dQ, as FlashAttention's Hopper backward does up to D = 96.
-DQ_WARPGROUPS = {64: 2, 80: 1, 96: 2, 128: 2, 192: 2}
+DQ_WARPGROUPS = {64: 2, 80: 1, 96: 2, 128: 2, 192: 2, 256: 2}
 
 
 def swizzle_span(head_dim: int) -> int:
@@ -478,6 +486,7 @@ class AttentionBackward:
         # Warpgroups along dK's and dV's columns (and S^T's query rows): with two, P^T and dS^T go through
         # shared memory to both (KEY_WARPGROUPS)
         self.column_wgs = MMA_WGS // KEY_WARPGROUPS[config.head_dim]
+        self.dq_columns = config.head_dim // DQ_ROUNDS[config.head_dim]  # dQ's columns per round (DQ_ROUNDS)
         self.mma_threads = 128 * MMA_WGS
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then the MMA warpgroups
 
@@ -535,7 +544,7 @@ class AttentionBackward:
         row_parts, col_parts = self.dq_parts()
         dq_mma = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (row_parts, col_parts, 1),
-            (64, d // col_parts))
+            (64, self.dq_columns // col_parts))
         return sdp_mma, dv_mma, dk_mma, dq_mma
 
     def smem_layouts(self):
@@ -543,11 +552,13 @@ class AttentionBackward:
         when it goes through shared memory), dQ in float32."""
         dtype, d, dv, parts = self.dtype, self.head_dim, self.head_dim_v, self.column_wgs
         # Q and dO: K-major for S^T and dP^T, each warpgroup's columns of them an M/N-major operand of dK, dV
-        sQ_layout, sdO_layout = (rows_layout(dtype, (self.tile_m, n, Q_STAGES), span=n // parts) for n in (d, dv))
+        sQ_layout, sdO_layout = (rows_layout(dtype, (self.tile_m, n, stages), span=n // parts)
+                                 for n, stages in ((d, Q_STAGES), (dv, DO_STAGES[d])))
         sK_layout, sV_layout = rows_layout(dtype, (self.tile_n, d)), rows_layout(dtype, (self.tile_n, dv))
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, self.tile_n), dtype,
                                                    Q_STAGES * (1 if parts == 1 else 2))
-        sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, d), order=self.dq_atom_order())
+        sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, self.dq_columns), swizzle_span(d),
+                                 order=self.dq_atom_order())
         return sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout
 
     def dq_parts(self) -> tuple:
@@ -562,11 +573,10 @@ class AttentionBackward:
         return (1, 0) if self.dq_parts()[0] > 1 else (0, 1)
 
     def dq_part_layout(self):
-        """One dQ warpgroup's part of the float32 dQ tile in shared memory (``dq_parts``)."""
-        d = self.head_dim
+        """One dQ warpgroup's part of a round of the float32 dQ tile in shared memory (``dq_parts``)."""
         row_parts, col_parts = self.dq_parts()
-        return rows_layout(cutlass.Float32, (self.tile_m // row_parts, d // col_parts), swizzle_span(d),
-                           order=self.dq_atom_order())
+        return rows_layout(cutlass.Float32, (self.tile_m // row_parts, self.dq_columns // col_parts),
+                           swizzle_span(self.head_dim), order=self.dq_atom_order())
 
     @cute.jit
     def define_shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
@@ -576,7 +586,7 @@ class AttentionBackward:
         class SharedStorage:
             kv_bars: cute.struct.MemRange[cutlass.Int64, 2]
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
-            do_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
+            do_bars: cute.struct.MemRange[cutlass.Int64, 2 * DO_STAGES[self.head_dim]]
             sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * Q_STAGES], 128]
             sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * Q_STAGES], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
@@ -654,7 +664,7 @@ class AttentionBackward:
         return swizzled + (storage.sLSE.get_tensor(rows), storage.sD.get_tensor(rows))
 
     def make_pipelines(self, storage):
-        """K and V (once per CTA), Q with its LSE and dO with its D (a ring of Q_STAGES each)."""
+        """K and V (once per CTA), Q with its LSE and dO with its D (rings of Q_STAGES and DO_STAGES)."""
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32)
         pipeline_kv = pipeline.PipelineTmaAsync.create(
@@ -664,7 +674,8 @@ class AttentionBackward:
             num_stages=Q_STAGES, producer_group=producer, consumer_group=consumers, tx_count=self.q_bytes,
             barrier_storage=storage.q_bars.data_ptr(), defer_sync=True)
         pipeline_do = pipeline.PipelineTmaAsync.create(
-            num_stages=Q_STAGES, producer_group=producer, consumer_group=consumers, tx_count=self.do_bytes,
+            num_stages=DO_STAGES[self.head_dim], producer_group=producer, consumer_group=consumers,
+            tx_count=self.do_bytes,
             barrier_storage=storage.do_bars.data_ptr(), defer_sync=True)
         return pipeline_kv, pipeline_q, pipeline_do
 
@@ -699,7 +710,7 @@ class AttentionBackward:
         n_m = m_block_max - m_block_min
         q_tile = mask.q_tile
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, Q_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DO_STAGES[d])
 
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
@@ -738,8 +749,8 @@ class AttentionBackward:
                  window_left: cutlass.Int32, window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32,
                  rotate: cutlass.Int32):
         """The dQ warp: every step, each dQ warpgroup's part of the tile into the float32 sum, a TMA reduce-add
-        per part. The MMA warpgroups only wait for their part's buffer; the adds, and in deterministic mode the
-        turns, are this warp's."""
+        per part (per part of each round, ``DQ_ROUNDS``). The MMA warpgroups only wait for their part's buffer;
+        the adds, and in deterministic mode the turns, are this warp's."""
         dq_wgs = DQ_WARPGROUPS[self.head_dim]
         row_parts, col_parts = self.dq_parts()
         part = cute.product_each(self.dq_part_layout().shape)
@@ -751,23 +762,26 @@ class AttentionBackward:
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
             m_block = q_tile(step % n_m, m_block_min, n_m)
-            for wg in cutlass.range_constexpr(dq_wgs):
-                # Part wg's last add (the groups complete in order) has read its buffer: hand it back.
-                cute.arch.cp_async_bulk_wait_group(dq_wgs - 1 - wg, read=True)
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY) + wg, number_of_threads=DQ_PART_THREADS)
-            gdQ = cute.local_tile(mdQ[None, None, head, batch], part, (None, None))
-            if cutlass.const_expr(self.deterministic):
-                turns = mdQturns.iterator + cute.crd2idx((batch, head, m_block), mdQturns.layout)
-                wait_for_turn(turns, dq_turn(m_block))
-            for wg in cutlass.range_constexpr(dq_wgs):
-                cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL) + wg, number_of_threads=DQ_PART_THREADS)
-                row, col = (wg, 0) if cutlass.const_expr(row_parts > 1) else (0, wg)
-                sdQ_part = cute.local_tile(sdQ, part, (row, col))
-                gdQ_part = gdQ[None, None, m_block * row_parts + row, col]
-                tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, one_cta, cute.group_modes(sdQ_part, 0, 2),
-                                                     cute.group_modes(gdQ_part, 0, 2))
-                cute.copy(tma_dq, tQsdQ, tQgdQ)  # one elected lane issues it: the whole warp is here
-                cute.arch.cp_async_bulk_commit_group()
+            for dq_round in cutlass.range_constexpr(DQ_ROUNDS[self.head_dim]):
+                for wg in cutlass.range_constexpr(dq_wgs):
+                    # Part wg's last add (the groups complete in order) has read its buffer: hand it back.
+                    cute.arch.cp_async_bulk_wait_group(dq_wgs - 1 - wg, read=True)
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY) + wg,
+                                             number_of_threads=DQ_PART_THREADS)
+                if cutlass.const_expr(dq_round == 0):
+                    gdQ = cute.local_tile(mdQ[None, None, head, batch], part, (None, None))
+                    if cutlass.const_expr(self.deterministic):
+                        turns = mdQturns.iterator + cute.crd2idx((batch, head, m_block), mdQturns.layout)
+                        wait_for_turn(turns, dq_turn(m_block))
+                for wg in cutlass.range_constexpr(dq_wgs):
+                    cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL) + wg, number_of_threads=DQ_PART_THREADS)
+                    row, col = (wg, 0) if cutlass.const_expr(row_parts > 1) else (0, wg)
+                    sdQ_part = cute.local_tile(sdQ, part, (row, col))
+                    gdQ_part = gdQ[None, None, m_block * row_parts + row, dq_round * col_parts + col]
+                    tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, one_cta, cute.group_modes(sdQ_part, 0, 2),
+                                                         cute.group_modes(gdQ_part, 0, 2))
+                    cute.copy(tma_dq, tQsdQ, tQgdQ)  # one elected lane issues it: the whole warp is here
+                    cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 # The next tile's turn comes when this one's adds have landed, not only read shared memory.
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -817,8 +831,11 @@ class AttentionBackward:
         thr_dq = dq_mma.get_slice(mma_tidx % dq_threads)
         thr_dq_wg = dq_mma.get_slice(wg_thread0 % dq_threads)
         tdQrdS = thr_dq_wg.make_fragment_A(thr_dq_wg.partition_A(sdS))      # (MMA, M, K, Q_STAGES)
-        tdQrK = thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(transposed(sK)))  # K^T: (N = d, K = keys)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, d)))
+        # K^T: (N = dQ's columns of a round, K = keys), per round
+        tdQrK = [thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(
+            cute.local_tile(transposed(sK), (self.dq_columns, self.tile_n), (dq_round, 0))))
+            for dq_round in range(DQ_ROUNDS[d])]
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.dq_columns)))
         tdQsdQ = thr_dq.partition_C(sdQ)
         dq_swizzle = self.smem_layouts()[5].inner
         # P^T and dS^T in 16 bits, in the registers' order of S^T (stage 8's P): the A operands of dV and dK, or
@@ -839,7 +856,7 @@ class AttentionBackward:
         n_m = m_block_max - m_block_min
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
-        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, Q_STAGES)
+        do_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DO_STAGES[d])
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         pipeline_kv.consumer_wait(kv_state)
@@ -876,21 +893,26 @@ class AttentionBackward:
                 warpgroup_gemm(dv_mma, acc_dV, tdVrP[None, None, None, Q_STAGES + q], tdVrdO[None, None, None, o],
                                zero_init=False)
             if computes_dq:
-                warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK)
-                warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
-                # dQ into this warpgroup's part of the buffer while dK's MMAs run; the dQ warp adds it.
-                warpgroup.wait_group(1)
-                cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY) + mma_wg, number_of_threads=DQ_PART_THREADS)
-                store_swizzled(acc_dQ, tdQsdQ, dq_swizzle)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL) + mma_wg,
-                                         number_of_threads=DQ_PART_THREADS)
+                for dq_round in cutlass.range_constexpr(DQ_ROUNDS[d]):
+                    warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK[dq_round])
+                    if cutlass.const_expr(dq_round == 0):
+                        warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
+                    # dQ into this warpgroup's part of the buffer while dK's MMAs run; the dQ warp adds it.
+                    warpgroup.wait_group(1 if dq_round == 0 else 0)
+                    if cutlass.const_expr(dq_round == 0 and DO_STAGES[d] == 1):
+                        pipeline_do.consumer_release(do_state)  # dV's product, dO's last reader, is done
+                    cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY) + mma_wg, number_of_threads=DQ_PART_THREADS)
+                    store_swizzled(acc_dQ, tdQsdQ, dq_swizzle)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL) + mma_wg,
+                                             number_of_threads=DQ_PART_THREADS)
                 warpgroup.wait_group(0)
             else:  # each branch waits for its own MMAs: ptxas serializes them all if a wait spans the two
                 warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
                 warpgroup.wait_group(0)
             pipeline_q.consumer_release(q_state)
-            pipeline_do.consumer_release(do_state)
+            if cutlass.const_expr(DO_STAGES[d] > 1):
+                pipeline_do.consumer_release(do_state)
             q_state.advance()
             do_state.advance()
         self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx, n_block,

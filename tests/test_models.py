@@ -793,10 +793,18 @@ def test_model_trains_on_the_kernels(kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [80, 96])
+@pytest.mark.parametrize("head_dim", [80, 96, 192, 256])
 def test_model_trains_at_other_head_dims_on_the_kernels(kernels, head_dim):
-    """Stage 11's backward at Phi-2's and Phi-3's head dims (a small Llama, GQA 8 / 2)."""
+    """Stage 11's backward at Phi-2's and Phi-3's head dims, 192, and Gemma's 256 (a small Llama, GQA 8 / 2)."""
     config = head_dim_config(head_dim)
+    model = models.in_dtype(build(config, "cuda"), torch.bfloat16, "course")
+    check_training_gradients(model, token_ids(config, 2, 300, "cuda"))
+
+
+@pytest.mark.gpu
+def test_deepseek_v3_mla_trains_on_the_kernels(kernels):
+    """Stage 11's backward with q and k of 192 columns and v of 128 (DeepSeek-V3's attention in training)."""
+    config = models.deepseek_v3_config(num_layers=2, hidden_size=256, vocab_size=512)
     model = models.in_dtype(build(config, "cuda"), torch.bfloat16, "course")
     check_training_gradients(model, token_ids(config, 2, 300, "cuda"))
 

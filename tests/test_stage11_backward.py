@@ -1,5 +1,5 @@
 """Stage 11 checks: dQ, dK, dV (and dsink) against the float64 reference's autograd, within twice the error
-of PyTorch's own backward in the same precision: fp16 and bf16, D 64, 80, 96, 128, 192 and (192, 128), MHA, GQA and MQA, lengths that
+of PyTorch's own backward in the same precision: fp16 and bf16, every head dim of the forward, MHA, GQA and MQA, lengths that
 are not tile multiples with S_q != S_k both ways, every mask (causal, windows, sink tokens) and sink logits;
 rows that see no key (exactly zero gradients), NaN-poisoned gradient buffers, and the validation of the
 backward's own arguments.
@@ -66,8 +66,7 @@ BAD_BACKWARD = {
     "lse-dtype": (lambda: {**cpu_inputs(), "lse": torch.zeros(1, 4, 16, dtype=torch.float16)}, ValueError, "float32"),
     "dk-shape": (lambda: {**cpu_inputs(), "dk": torch.zeros(1, 16, 4, 64, dtype=torch.float16)}, ValueError,
                  "dk has shape"),
-    "head-dim-256": (lambda: cpu_inputs(d=256), NotImplementedError,
-                     r"head_dim 256.*stage 11.*takes 64, 80, 96, 128, 192, or 192 for q and k with 128 for v"),
+    "head-dim-32": (lambda: cpu_inputs(d=32), ValueError, r"head_dim 32.*64, 80, 96, 128, 192, 256"),
     "deterministic-not-bool": (lambda: {**cpu_inputs(), "deterministic": 1}, TypeError, "deterministic must be"),
     "q-fp32": (lambda: {k: (v.float() if k in "qkv" else v) for k, v in cpu_inputs().items()}, TypeError, "float16"),
 }
@@ -97,7 +96,7 @@ def test_row_passes_cross_compile(stage, dims):
 @pytest.mark.compiles
 @pytest.mark.parametrize("name", ["float16_d64_full", "bfloat16_d64_LRT", "float16_d64_L", "float16_d128_R",
                                   "bfloat16_d128_LRT", "float16_d80_full", "bfloat16_d96_LRT", "float16_d192_R",
-                                  "bfloat16_d192v128_LRT"])
+                                  "bfloat16_d192v128_LRT", "float16_d256_full", "bfloat16_d256_LRT"])
 def test_deterministic_mode_cross_compiles(stage, name):
     """The deterministic mode's turn-taking around each dQ reduce-add compiles for sm_90a without spilling."""
     config = next(c for c in stage.KERNEL_CONFIGS if c.name == name)
@@ -224,11 +223,13 @@ def test_gradients_of_the_sum_over_the_group(stage):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
 @pytest.mark.parametrize("mask", ["none", "causal", "window-sink-tokens"])
-def test_deterministic_gradients_are_bit_identical(stage, mask):
+def test_deterministic_gradients_are_bit_identical(stage, mask, head_dim):
     """deterministic=True: 100 backward passes on the same inputs give the same bits (Q tiles that 8 KV tiles
-    add into, GQA 4:1 so each CTA adds four heads' shares), and the gradients are right."""
-    q, k, v = testing.random_qkv(2, 700, 1000, 8, 2, 128, torch.bfloat16)
+    add into, 16 at D = 256's 64-key tiles, each in two rounds; GQA 4:1 so each CTA adds four heads' shares),
+    and the gradients are right."""
+    q, k, v = testing.random_qkv(2, 700, 1000, 8, 2, head_dim, torch.bfloat16)
     do = torch.randn_like(q)
     features = features_of(mask, 8)
     out, lse = stage.attention(q, k, v, return_lse=True, **features)
@@ -253,7 +254,7 @@ CPU_MASKS = {
 CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64), (64, 129), (3, 200), (400, 400), (200, 700)]
 
 
-TILINGS = {128: "q-tiles-64", 64: "q-tiles-128", 192: "kv-tiles-64"}
+TILINGS = {128: "q-tiles-64", 64: "q-tiles-128", 256: "kv-tiles-64"}
 
 
 @pytest.mark.compiles
@@ -261,7 +262,7 @@ TILINGS = {128: "q-tiles-64", 64: "q-tiles-128", 192: "kv-tiles-64"}
 @pytest.mark.parametrize("mask", list(CPU_MASKS))
 def test_on_cpu_m_block_range(stage, mask, head_dim):
     """KeyTileMask (exercise 11): the Q tiles a KV tile visits, and its mask, against the reference's visibility,
-    with the tiles of D = 128's kernel (64 rows, 128 keys), of D = 64's (128 rows) and of D = 192's (64 keys,
+    with the tiles of D = 128's kernel (64 rows, 128 keys), of D = 64's (128 rows) and of D = 256's (64 keys,
     the warpgroups splitting the query rows)."""
     cpu_numerics.check_key_tile_masks(stage, CPU_MASKS[mask], CPU_LENGTHS, head_dim)
 
@@ -285,6 +286,6 @@ def test_on_cpu_dq_stores_are_swizzled_right_without_bank_conflicts(stage, head_
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("head_dim", [64, 192], ids=["keys-split", "columns-split"])
+@pytest.mark.parametrize("head_dim", [64, 256], ids=["keys-split", "columns-split"])
 def test_on_cpu_probabilities_and_score_gradients(stage, head_dim):
     cpu_numerics.check_score_gradients(stage, head_dim)

@@ -118,7 +118,7 @@ RAGGED = (
 # Stage 11: the FA3 paper's backward sweep (B * S = 16k, H * D = 2048), every head dim the backward takes, causal
 # and not, in bf16.
 BACKWARD = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, "bfloat16", causal=causal, head_dim_v=d_v if d_v != d else 0)
-                 for d, d_v in ((128, 128), (64, 64), (96, 96), (80, 80), (192, 192), (192, 128))
+                 for d, d_v in ((128, 128), (64, 64), (96, 96), (80, 80), (192, 192), (192, 128), (256, 256))
                  for causal in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384))
 
 STAGES = [

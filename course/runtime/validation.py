@@ -302,8 +302,7 @@ def reject_later_features(stage: int, *, causal=False, window_size=(-1, -1), sin
 
 # ---------------------------------------------------------------- backward (stage 11)
 
-BACKWARD_STAGE = (11, "the backward pass")
-BACKWARD_HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (192, 128))
+BACKWARD_HEAD_DIMS = HEAD_DIMS_FROM_STAGE_8  # every head dim of the forward it differentiates
 
 
 def check_backward_inputs(do, q, k, v, o, lse, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -315,10 +314,6 @@ def check_backward_inputs(do, q, k, v, o, lse, *, softmax_scale=None, causal=Fal
 
     shape = check_attention_inputs(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                    sink_logits=sink_logits, num_sink_tokens=num_sink_tokens)
-    if (shape.head_dim, shape.head_dim_v) not in BACKWARD_HEAD_DIMS:
-        raise NotImplementedError(
-            f"{describe_dims(shape.head_dim, shape.head_dim_v)}: stage {BACKWARD_STAGE[0]} ({BACKWARD_STAGE[1]}) "
-            f"takes {describe_head_dims(BACKWARD_HEAD_DIMS)}; the forward takes more")
     bshd = "[batch, seqlen_q, heads_q, head_dim]"
     o_shape = (shape.batch, shape.seqlen_q, shape.heads_q, shape.head_dim_v)
     for name, t in (("do", do), ("o", o)):
