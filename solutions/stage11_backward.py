@@ -85,20 +85,22 @@ Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64, 192: 64, 256: 64}
 # warpgroup's dV and dK need every query row's.
 KEY_WARPGROUPS = {64: 2, 80: 2, 96: 2, 128: 2, 192: 1, 256: 1}
 # --8<-- [end:key_warpgroups]
-Q_STAGES = 2   # buffers of Q (with its LSE) and of dO (with its D): the producer runs two steps ahead
-# --8<-- [start:fits_256]
-# At D = 256 the buffers above take more than the 227 KiB of shared memory: dO gets one buffer (the producer loads
-# the next step's once this step's dV product has read it), and dQ's tile goes to the dQ warp in two rounds of
-# half its columns through a buffer half as large.
-DO_STAGES = {64: 2, 80: 2, 96: 2, 128: 2, 192: 2, 256: 1}  # (1 only where every warpgroup computes dQ)
+Q_STAGES = 2   # buffers of Q (with its LSE), and of dO (with its D) up to D = 128: the producer runs two steps ahead
+# --8<-- [start:wide_buffers]
+# From D = 192 dO gets one buffer: the producer loads the next step's once this step's dV product has read it (at
+# 256 the buffers would not fit in the 227 KiB of shared memory otherwise). At 256 dQ's tile also goes to the dQ
+# warp in two rounds of half its columns, through a buffer half as large.
+DO_STAGES = {64: 2, 80: 2, 96: 2, 128: 2, 192: 1, 256: 1}  # (1 only where every warpgroup computes dQ)
 DQ_ROUNDS = {64: 1, 80: 1, 96: 1, 128: 1, 192: 1, 256: 2}
-# --8<-- [end:fits_256]
+# --8<-- [end:wide_buffers]
 MMA_WGS = 2
 
 
 def kv_tile_keys(head_dim: int) -> int:
     """Keys per CTA: 64 per warpgroup along the keys (``KEY_WARPGROUPS``)."""
     return 64 * KEY_WARPGROUPS[head_dim]
+
+
 # --8<-- [start:swizzle_span]
 # Warpgroups that compute dQ = dS K, each a part of the dQ tile (the other waits): 64 of its rows where the Q
 # tile has a block of 64 per warpgroup (128 rows at D = 64), else a part of head_dim's columns. At D = 80 a half

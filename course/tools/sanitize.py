@@ -160,13 +160,19 @@ def launch_stage(number: int) -> None:
                                     alibi_slopes=testing.alibi_slopes(16), num_splits=3)
     elif stage.kind == "backward":  # the forward runs too: the sanitizer checks both
         # D = 96: narrower swizzles (swizzle_span); D = 80: dQ on one warpgroup; both: several pieces per row thread.
-        for head_dim, options in ((64, {"causal": True}), (128, {"window_size": (100, 10), "num_sink_tokens": 3,
-                                                                 "sink_logits": torch.linspace(-1, 1, 4, device="cuda")}),
-                                  (96, {"causal": True}), (80, {"window_size": (100, 10)})):
-            q, k, v = testing.random_qkv(1, 200, 300, 4, 2, head_dim, torch.bfloat16, seed=head_dim)
+        # From 192 the warpgroups split the columns (P^T through shared memory); at 256, dQ in two rounds and one
+        # dO buffer released early; (192, 128): V and dO narrower than Q and K.
+        for (head_dim, head_dim_v), options in (
+                ((64, 64), {"causal": True}),
+                ((128, 128), {"window_size": (100, 10), "num_sink_tokens": 3,
+                              "sink_logits": torch.linspace(-1, 1, 4, device="cuda")}),
+                ((96, 96), {"causal": True}), ((80, 80), {"window_size": (100, 10)}), ((192, 192), {"causal": True}),
+                ((192, 128), {"window_size": (100, 10)}), ((256, 256), {})):
+            q, k, v = testing.random_qkv(1, 200, 300, 4, 2, head_dim, torch.bfloat16, seed=head_dim,
+                                         head_dim_v=head_dim_v)
             o, lse = module.attention(q, k, v, return_lse=True, **options)
             for deterministic in (False, True):
-                module.attention_backward(torch.randn_like(q), q, k, v, o, lse, deterministic=deterministic, **options)
+                module.attention_backward(torch.randn_like(o), q, k, v, o, lse, deterministic=deterministic, **options)
     else:
         features = [{}]
         if number >= 4:
