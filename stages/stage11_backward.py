@@ -464,6 +464,7 @@ class AttentionBackward:
         # Warpgroups along dK's and dV's columns (and S^T's query rows): with two, P^T and dS^T go through
         # shared memory to both (KEY_WARPGROUPS)
         self.column_wgs = MMA_WGS // KEY_WARPGROUPS[config.head_dim]
+        self.p_in_registers = self.column_wgs == 1
         self.dq_columns = config.head_dim // DQ_ROUNDS[config.head_dim]  # dQ's columns per round (DQ_ROUNDS)
         self.mma_threads = 128 * MMA_WGS
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then the MMA warpgroups
@@ -514,7 +515,7 @@ class AttentionBackward:
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (MMA_WGS // parts, parts, 1),
             (64, self.tile_m // parts))
         # P^T and dS^T from registers (or shared memory); dO and Q read M/N-major (head_dim contiguous).
-        source = warpgroup.OperandSource.RMEM if parts == 1 else warpgroup.OperandSource.SMEM
+        source = warpgroup.OperandSource.RMEM if self.p_in_registers else warpgroup.OperandSource.SMEM
         dv_mma, dk_mma = (sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS // parts, parts, 1),
             (64, n // parts), source) for n in (dv, d))
@@ -534,7 +535,7 @@ class AttentionBackward:
                                  for n, stages in ((d, Q_STAGES), (dv, DO_STAGES[d])))
         sK_layout, sV_layout = rows_layout(dtype, (self.tile_n, d)), rows_layout(dtype, (self.tile_n, dv))
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, self.tile_n), dtype,
-                                                   Q_STAGES * (1 if parts == 1 else 2))
+                                                   Q_STAGES * (1 if self.p_in_registers else 2))
         sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, self.dq_columns), swizzle_span(d),
                                  order=self.dq_atom_order())
         return sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout
@@ -821,8 +822,7 @@ class AttentionBackward:
         rP = cute.make_rmem_tensor_like(acc_St, self.dtype)
         rdS = cute.make_rmem_tensor_like(acc_dPt, self.dtype)
         tdSrP, tdSrdS = thr_ds.retile(rP), thr_ds.retile(rdS)
-        p_in_registers = self.column_wgs == 1
-        if cutlass.const_expr(p_in_registers):
+        if cutlass.const_expr(self.p_in_registers):
             tdVrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
             tdKrdS = cute.make_tensor(rdS.iterator, acc_layout_as_operand_a(rdS.layout))
         else:
@@ -858,7 +858,7 @@ class AttentionBackward:
             # dS^T (and P^T) to shared memory, the buffer of Q's (P^T's Q_STAGES on): its last readers, both
             # warpgroups' MMAs two steps back, were complete before the other warpgroup reached the last step's
             # DS_READY.
-            if cutlass.const_expr(p_in_registers):
+            if cutlass.const_expr(self.p_in_registers):
                 dS_t = tdKrdS
                 warpgroup_gemm(dv_mma, acc_dV, tdVrP, tdVrdO[None, None, None, o], zero_init=False)
             else:
@@ -867,7 +867,7 @@ class AttentionBackward:
             cute.copy(ds_store, tdSrdS, ring_buffer(tdSsdS, q))
             cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy stores, then WGMMA reads
             cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=self.mma_threads)
-            if cutlass.const_expr(not p_in_registers):
+            if cutlass.const_expr(not self.p_in_registers):
                 warpgroup_gemm(dv_mma, acc_dV, tdVrP[None, None, None, Q_STAGES + q], tdVrdO[None, None, None, o],
                                zero_init=False)
             if computes_dq:

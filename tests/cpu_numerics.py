@@ -1618,8 +1618,7 @@ def dq_fragment_offsets(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, 
     """For every thread of the dQ warpgroups, its dQ registers' element offsets in the float32 dQ tile (the
     layout before its swizzle), in the order of ``thr_dq.partition_C(sdQ)``, which ``store_swizzled`` stores;
     and the tile's swizzle Sw<B, M, S> as (B, M, S)."""
-    config = next(c for c in module.KERNEL_CONFIGS if c.head_dim == head_dim)
-    kernel = module.AttentionBackward(config)
+    kernel = backward_kernel(module, head_dim)
     dq_mma = kernel.tiled_mmas()[-1]
     sdQ_layout = kernel.smem_layouts()[5]
     swizzle = sdQ_layout.inner

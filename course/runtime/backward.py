@@ -129,9 +129,7 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
                                              deterministic=deterministic)
     validation.check_on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse, sink_logits=sink_logits, dq=dq, dk=dk, dv=dv)
     left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, shape)
-    config = prefill.KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
-                                  left >= 0 and num_sink_tokens > 0,
-                                  0 if shape.head_dim_v == shape.head_dim else shape.head_dim_v)
+    config = prefill.call_config(q, shape, left, right, num_sink_tokens)
     kernel = launch.compiled((kernel_class, config, deterministic),
                              lambda: (kernel_class(config, deterministic), fake_arguments(config)))
     key = (q.dtype, shape.head_dim)

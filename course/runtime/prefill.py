@@ -127,6 +127,14 @@ def kernel_window(causal, window_size, num_sink_tokens: int, shape: validation.A
 _PLANS: dict = {}
 
 
+def call_config(q, shape: validation.AttentionShape, left: int, right: int, num_sink_tokens: int) -> KernelConfig:
+    """The KernelConfig of a call: q's dtype, the shape's head dims, the window sides and sink tokens it bounds
+    (``kernel_window``'s results)."""
+    return KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
+                        left >= 0 and num_sink_tokens > 0,
+                        shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0)
+
+
 def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
               sink_logits=None, num_sink_tokens=0, return_lse=False, out=None):
     """Validate, compile once per configuration (cached), launch ``kernel_class``; return O (and LSE).
@@ -166,8 +174,7 @@ def plan_attention(stage: int, kernel_class, q, k, v, *, softmax_scale, causal, 
     )
     validation.check_on_gpu(q=q, k=k, v=v, out=out, sink_logits=sink_logits)
     left, right, num_sink_tokens = kernel_window(causal, window_size, num_sink_tokens, shape)
-    config = KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
-                          left >= 0 and num_sink_tokens > 0, shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0)
+    config = call_config(q, shape, left, right, num_sink_tokens)
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))
     device = q.device
     lse_shape = (shape.batch, shape.heads_q, shape.seqlen_q)
