@@ -30,9 +30,10 @@ FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
    S and dP, M-major for dK and dV); one swizzled layout serves both.
 3. dQ: every CTA whose KV tile a Q tile sees adds its share, so the shares are
    summed in float32 in global memory: each MMA warpgroup puts its part of
-   each step's dQ in shared memory, and a warp of the producer warpgroup (the
-   dQ warp) adds it with a TMA reduce-add (``cp.reduce.async.bulk``), which
-   the L2 applies; ``ConvertDQ`` scales the sum and converts it.
+   each step's dQ in shared memory, in the order its registers hold it
+   (``DQTile``), and a warp of the producer warpgroup (the dQ warp) adds it
+   with a bulk reduce-add (``cp.reduce.async.bulk``), which the L2 applies;
+   ``ConvertDQ`` scales the sum, converts it and puts it in rows.
 
 Masks (causal, windows, sink tokens) choose the Q tiles a KV tile visits and
 set S to -inf outside; sink logits change only the LSE (the forward's) and
@@ -52,7 +53,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import CopyUniversalOp, OperandMajorMode, cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -66,10 +69,7 @@ from solutions.stage08_fa3_prefill import (
     rows_cols_view,
     warpgroup_gemm,
 )
-from solutions.stage10_varlen_prefill import (
-    attention,  # noqa: F401 (the forward this stage differentiates)
-    swizzled_address,
-)
+from solutions.stage10_varlen_prefill import attention  # noqa: F401 (the forward this stage differentiates)
 
 STAGE = 11
 # --8<-- [start:q_tile_rows]
@@ -93,6 +93,10 @@ Q_STAGES = 2   # buffers of Q (with its LSE), and of dO (with its D) up to D = 1
 DO_STAGES = {64: 2, 80: 2, 96: 2, 128: 2, 192: 1, 256: 1}  # (1 only where every warpgroup computes dQ)
 DQ_ROUNDS = {64: 1, 80: 1, 96: 1, 128: 1, 192: 1, 256: 2}
 # --8<-- [end:wide_buffers]
+# Whether a warpgroup hands its dQ part to the dQ warp (the proxy fence, then DQ_FULL) only once dK's product is
+# done, rather than right after its stores: the fence waits until the stores have landed, and by then they have.
+# Measured per head dim (the page): it pays at D = 64 and costs at the others. One round of dQ only.
+LATE_DQ_HANDOFF = {64: True, 80: False, 96: False, 128: False, 192: False, 256: False}
 MMA_WGS = 2
 
 
@@ -110,9 +114,9 @@ DQ_WARPGROUPS = {64: 2, 80: 1, 96: 2, 128: 2, 192: 2, 256: 2}
 
 
 def swizzle_span(head_dim: int) -> int:
-    """The columns whose widest swizzle atom lays out K, V and the float32 dQ in shared memory: head_dim, unless
-    dQ's warpgroups split it where such an atom would straddle the cut (96: halves of 48, atoms of 32 columns),
-    then the part (48: atoms of 16)."""
+    """The columns whose widest swizzle atom lays out K and V in shared memory: head_dim, unless dQ's warpgroups
+    split it (each reads its columns of K) where such an atom would straddle the cut (96: halves of 48, atoms of
+    32 columns), then the part (48: atoms of 16)."""
     part = head_dim // DQ_WARPGROUPS[head_dim]
     return head_dim if part & (part - 1) == 0 or part == head_dim else part
 # --8<-- [end:swizzle_span]
@@ -166,36 +170,54 @@ def ring_buffer(t: cute.Tensor, index: cutlass.Int32) -> cute.Tensor:
     return cute.make_tensor(first.iterator + cute.assume(index * stride, divby=stride), first.layout)
 
 
-# --8<-- [start:swizzled_store]
-@cute.jit
-def store_swizzled(src: cute.Tensor, dst: cute.Tensor, swizzle: cute.Swizzle, vector: cutlass.Constexpr = 2):
-    """``cute.autovec_copy(src, dst)`` for one thread's fragment ``dst`` of a buffer whose pointer carries
-    ``swizzle``, ``vector`` elements per store, with few address computations.
+@dsl_user_op
+def bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """Add ``num_bytes`` of contiguous float32 at ``smem`` into ``gmem`` (``cp.reduce.async.bulk``, applied
+    at the L2), in the issuing thread's current bulk async group. Both addresses 16-byte aligned."""
+    llvm.inline_asm(
+        None, [gmem.llvm_ptr, cutlass.Int32(smem.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip),
+               cutlass.Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
-    Copied element by element, each store's address is swizzled anew: three
-    integer instructions per store, on every step, as the compiler keeps no
-    register for them. The swizzle permutes the 16-byte pieces within each
-    period of 2^(B+M+S) bytes, so stores whole periods apart share a swizzled
-    address plus a constant (an immediate of the store): one swizzled address
-    per offset within the period (``swizzled_address``, stage 10).
+
+# --8<-- [start:dq_tile]
+class DQTile:
+    """How one step's dQ = dS K is shared out and where its float32 values go.
+
+    Each dQ warpgroup computes a part of the (tile_m, D) tile (``parts``: by rows where the Q tile has 64
+    rows per warpgroup, else by columns), over ``DQ_ROUNDS`` rounds of ``columns`` columns. A thread
+    stores its accumulators in the order it holds them, 16 bytes at a time: vector v of thread t goes to
+    float 512 v + 4 t of its warpgroup's part, so a quarter warp writes 128 contiguous bytes (no bank
+    conflict, no address arithmetic). ``dQaccum`` keeps each Q tile's tile_m x D floats in the same order
+    (round, part, then as stored), so a part is added by one contiguous bulk reduce-add; ``ConvertDQ``
+    puts the values back in rows and columns with the same tiled MMA.
     """
-    element_bytes = dst.element_type.width // 8
-    period = 1 << (swizzle.num_bits + swizzle.num_base + swizzle.num_shift)
-    # this thread's first element on, as stored (the pointer's swizzle dropped)
-    plain = cute.make_tensor(cute.recast_ptr(dst.iterator, dtype=dst.element_type), cute.make_layout(period))
-    firsts = {}
-    for i in cutlass.range_constexpr(0, cute.size(dst), vector):
-        index = cute.crd2idx(i, dst.layout)
-        assert cute.crd2idx(i + vector - 1, dst.layout) == index + vector - 1, "a store's elements must be contiguous"
-        offset = index * element_bytes
-        within = offset % period
-        if cutlass.const_expr(within not in firsts):
-            firsts[within] = swizzled_address(plain, swizzle, within // element_bytes)
-        address = cute.make_ptr(dst.element_type, firsts[within] + (offset - within), cute.AddressSpace.smem,
-                                assumed_align=vector * element_bytes)
-        cute.autovec_copy(cute.make_tensor(src.iterator + i, cute.make_layout(vector)),
-                          cute.make_tensor(address, cute.make_layout(vector)))
-# --8<-- [end:swizzled_store]
+
+    def __init__(self, head_dim: int, tile_m: int):
+        self.head_dim, self.tile_m = head_dim, tile_m
+        self.wgs = DQ_WARPGROUPS[head_dim]
+        self.rounds = DQ_ROUNDS[head_dim]
+        self.columns = head_dim // self.rounds
+        self.parts = (self.wgs, 1) if tile_m == 64 * self.wgs else (1, self.wgs)
+        self.part_floats = tile_m * self.columns // self.wgs
+
+    def tiled_mma(self, dtype):
+        """dQ = dS K, warpgroup w's part of a round: dS and K both M/N-major."""
+        row_parts, col_parts = self.parts
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (row_parts, col_parts, 1),
+            (64, self.columns // col_parts))
+
+    def layout(self):
+        """One round in shared memory, or of a Q tile in dQaccum: (floats of a part, part)."""
+        return cute.make_layout((self.part_floats, self.wgs))
+
+    def store_copy(self):
+        """A thread's accumulators, four at a time, thread t of a warpgroup at 4 t of its part (``layout``)."""
+        vector = cute.make_copy_atom(CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(vector, cute.make_layout(128), cute.make_layout(4))
+# --8<-- [end:dq_tile]
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
@@ -328,9 +350,10 @@ class KeyTileMask(WindowMask):
         s = rows_cols_view(acc_St)
         coord = rows_cols_view(tStcSt)
         row0 = m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            key = self.key0 + coord[r, 0][0]
-            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+        # a column (query row) at a time: its bounds are used by its few keys at once, then dead
+        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                key = self.key0 + coord[r, 0][0]
                 row = row0 + coord[r, c][1]
                 hidden = key >= self.seqlen_k
                 if cutlass.const_expr(self.has_right):
@@ -370,17 +393,22 @@ def probabilities_and_score_gradients(acc_St: cute.Tensor, acc_dPt: cute.Tensor,
 
 
 def row_threads(head_dim: int, vec: int = 8) -> int:
-    """Threads per row of the row passes: the most, a power of two (a shuffle adds them up), that share
+    """Threads per row of the preprocess: the most, a power of two (a shuffle adds them up), that share
     the row's 16-byte pieces evenly: 8 at D = 64, 16 at 128, 4 at 96, 2 at 80."""
     pieces = head_dim // vec
     return pieces & -pieces
 
 
 # --8<-- [start:preprocess]
-class RowPass:
-    """A pass over [B, S, H, D] rows in CTAs of 128 threads: ``row_threads`` per row, each taking the row's
-    8-value (16-byte) pieces chunk, chunk + threads_per_row, ... (with ``head_dim_v``, the threads that share
-    both widths evenly, and ``pieces_v_per_thread`` of the D_v-wide rows)."""
+class Preprocess:
+    """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32 (D_v wide), the LSE in
+    log2 units with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf)
+    = 0 there), and the float32 dQ sum zeroed (D floats per row of the padded rows, [B, H, S_pad * D]: the
+    order within a Q tile is ``DQTile``'s, which zeroing need not know).
+
+    CTAs of 128 threads, ``row_threads`` per row, each taking the row's 8-value (16-byte) pieces chunk,
+    chunk + threads_per_row, ... (with ``head_dim_v``, the threads that share both widths evenly, and
+    ``pieces_v_per_thread`` of the D_v-wide rows)."""
 
     vec = 8
 
@@ -390,12 +418,6 @@ class RowPass:
         self.pieces_per_thread = head_dim // self.vec // self.threads_per_row
         self.pieces_v_per_thread = head_dim_v // self.vec // self.threads_per_row
         self.rows_per_cta = 128 // self.threads_per_row
-
-
-class Preprocess(RowPass):
-    """Before the main kernel, one pass over the rows: D = rowsum(dO * O) in float32 (D_v wide), the LSE in
-    log2 units with +inf for a row without keys (and for the padding up to whole Q tiles: P = exp2(S - inf)
-    = 0 there), and the float32 dQ sum (D wide) zeroed."""
 
     @cute.jit
     def __call__(self, mdO: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
@@ -412,17 +434,19 @@ class Preprocess(RowPass):
         chunk = tidx % self.threads_per_row
         partial = cutlass.Float32(0.0)
         lse2 = cutlass.Float32.inf
-        if row < mdO.shape[1]:
+        if row < mLSE2.shape[2]:
             zeros = cute.make_rmem_tensor(self.vec, cutlass.Float32)
             zeros.fill(0.0)
+            pieces = self.pieces_per_thread * self.threads_per_row  # of a row of dQaccum
+            for i in cutlass.range_constexpr(self.pieces_per_thread):
+                piece = row * pieces + chunk + i * self.threads_per_row
+                cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, head, None], (self.vec,), (piece,)))
+        if row < mdO.shape[1]:
             for i in cutlass.range_constexpr(self.pieces_v_per_thread):
                 piece = chunk + i * self.threads_per_row
                 do = cute.local_tile(mdO[batch, row, head, None], (self.vec,), (piece,)).load().to(cutlass.Float32)
                 o = cute.local_tile(mO[batch, row, head, None], (self.vec,), (piece,)).load().to(cutlass.Float32)
                 partial += (do * o).reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
-            for i in cutlass.range_constexpr(self.pieces_per_thread):
-                piece = chunk + i * self.threads_per_row
-                cute.autovec_copy(zeros, cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (piece,)))
             lse = mLSE[batch, head, row]
             if lse != -cutlass.Float32.inf:
                 lse2 = lse * LOG2_E
@@ -433,26 +457,45 @@ class Preprocess(RowPass):
             mD[batch, head, row] = d
 
 
-class ConvertDQ(RowPass):
-    """After the main kernel: dQ = softmax_scale * the float32 sum, in q's dtype."""
+class ConvertDQ:
+    """After the main kernel: dQ = softmax_scale * the float32 sum, in q's dtype. A CTA per Q tile reads the
+    tile's sum in ``DQTile``'s order, each thread the values the main kernel's thread of the same index
+    stored, and writes them where the same tiled MMA puts them."""
+
+    def __init__(self, head_dim: int):
+        self.dq = DQTile(head_dim, Q_TILE_ROWS[head_dim])
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32, stream):
-        grid = ((mdQ.shape[1] + self.rows_per_cta - 1) // self.rows_per_cta, mdQ.shape[2], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+        grid = ((mdQ.shape[1] + self.dq.tile_m - 1) // self.dq.tile_m, mdQ.shape[2], mdQ.shape[0])
+        self.kernel(self.dq.tiled_mma(mdQ.element_type), mdQaccum, mdQ, softmax_scale).launch(
+            grid=grid, block=[128 * self.dq.wgs, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32):
+    def kernel(self, dq_mma: cute.TiledMma, mdQaccum: cute.Tensor, mdQ: cute.Tensor,
+               softmax_scale: cutlass.Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        s_block, head, batch = cute.arch.block_idx()
-        row = s_block * self.rows_per_cta + tidx // self.threads_per_row
-        chunk = tidx % self.threads_per_row
-        if row < mdQ.shape[1]:
-            for i in cutlass.range_constexpr(self.pieces_per_thread):
-                piece = chunk + i * self.threads_per_row
-                total = cute.local_tile(mdQaccum[batch, row, head, None], (self.vec,), (piece,)).load()
-                dq = cute.local_tile(mdQ[batch, row, head, None], (self.vec,), (piece,))
-                dq.store((total * softmax_scale).to(mdQ.element_type))
+        m_block, head, batch = cute.arch.block_idx()
+        dq, shape = self.dq, (self.dq.tile_m, self.dq.columns)
+        thr_mma, thr_copy = dq_mma.get_slice(tidx), dq.store_copy().get_slice(tidx % 128)
+        tile_floats = dq.tile_m * dq.head_dim
+        tile = cute.local_tile(mdQaccum[batch, head, None], (tile_floats,), (m_block,))
+        rows_left = mdQ.shape[1] - m_block * dq.tile_m
+        coords = thr_mma.partition_C(cute.make_identity_tensor(shape))
+        for dq_round in cutlass.range_constexpr(dq.rounds):
+            acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C(shape))
+            round_sums = cute.make_tensor(tile.iterator + dq_round * dq.wgs * dq.part_floats, dq.layout())
+            sums = thr_copy.partition_S(round_sums[None, tidx // 128])
+            cute.autovec_copy(sums, cute.make_tensor(acc.iterator, cute.make_layout(sums.shape)))
+            out = cute.make_rmem_tensor_like(acc, mdQ.element_type)
+            out.store((acc.load() * softmax_scale).to(mdQ.element_type))
+            gdQ = thr_mma.partition_C(cute.local_tile(mdQ[batch, None, head, None], shape, (m_block, dq_round)))
+            if rows_left >= dq.tile_m:
+                cute.autovec_copy(out, gdQ)
+            else:
+                for i in cutlass.range_constexpr(cute.size(out)):
+                    if coords[i][0] < rows_left:
+                        gdQ[i] = out[i]
 # --8<-- [end:preprocess]
 
 
@@ -489,7 +532,8 @@ class AttentionBackward:
         # shared memory to both (KEY_WARPGROUPS)
         self.column_wgs = MMA_WGS // KEY_WARPGROUPS[config.head_dim]
         self.p_in_registers = self.column_wgs == 1
-        self.dq_columns = config.head_dim // DQ_ROUNDS[config.head_dim]  # dQ's columns per round (DQ_ROUNDS)
+        self.dq = DQTile(config.head_dim, self.tile_m)
+        assert not (LATE_DQ_HANDOFF[config.head_dim] and self.dq.rounds > 1), "dK's wait comes in round 0"
         self.mma_threads = 128 * MMA_WGS
         self.num_threads = 128 + self.mma_threads  # producer warpgroup, then the MMA warpgroups
 
@@ -499,7 +543,7 @@ class AttentionBackward:
                  scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32,
                  window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, stream):
         mQ, mK, mV, mdO = (bshd_as_rows_dim(t) for t in (mQ, mK, mV, mdO))
-        mdQaccum, mdK, mdV = (bshd_as_rows_dim(t) for t in (mdQaccum, mdK, mdV))
+        mdK, mdV = bshd_as_rows_dim(mdK), bshd_as_rows_dim(mdV)
         mLSE, mD = bhs_as_s_h_b(mLSE), bhs_as_s_h_b(mD)
         sdp_mma, dv_mma, dk_mma, dq_mma = self.tiled_mmas()
         layouts = self.smem_layouts()
@@ -516,16 +560,13 @@ class AttentionBackward:
         row_layout = cute.make_layout(self.tile_m)
         tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row_layout, (self.tile_m,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(g2s, mD, row_layout, (self.tile_m,))
-        dq_part = self.dq_part_layout()
-        tma_dq, tma_mdQ = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, dq_part,
-                                                      cute.product_each(dq_part.shape))
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (tile_n, d))
         tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (tile_n, dv))
         n_blocks = (mK.shape[0] + tile_n - 1) // tile_n
         self.kernel(
             sdp_mma, dv_mma, dk_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
-            tma_lse, tma_mLSE, tma_d, tma_mD, tma_dq, tma_mdQ, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
+            tma_lse, tma_mLSE, tma_d, tma_mD, mdQaccum, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
             scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, rotate, *layouts,
         ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # a register count at entry: without one ptxas may ignore setmaxnreg (C7508)
@@ -543,16 +584,11 @@ class AttentionBackward:
         dv_mma, dk_mma = (sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS // parts, parts, 1),
             (64, n // parts), source) for n in (dv, d))
-        # dQ: warpgroup w owns part w of the tile (dq_parts); dS and K both M/N-major.
-        row_parts, col_parts = self.dq_parts()
-        dq_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (row_parts, col_parts, 1),
-            (64, self.dq_columns // col_parts))
-        return sdp_mma, dv_mma, dk_mma, dq_mma
+        return sdp_mma, dv_mma, dk_mma, self.dq.tiled_mma(dtype)
 
     def smem_layouts(self):
         """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ, a buffer per Q buffer; P^T's after them
-        when it goes through shared memory), dQ in float32."""
+        when it goes through shared memory); and dQ's float32 round (``DQTile``, not swizzled)."""
         dtype, d, dv, parts = self.dtype, self.head_dim, self.head_dim_v, self.column_wgs
         # Q and dO: K-major for S^T and dP^T, each warpgroup's columns of them an M/N-major operand of dK, dV
         sQ_layout, sdO_layout = (rows_layout(dtype, (self.tile_m, n, stages), span=n // parts)
@@ -560,26 +596,7 @@ class AttentionBackward:
         sK_layout, sV_layout = rows_layout(dtype, (self.tile_n, d)), rows_layout(dtype, (self.tile_n, dv))
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, self.tile_n), dtype,
                                                    Q_STAGES * (1 if self.p_in_registers else 2))
-        sdQ_layout = rows_layout(cutlass.Float32, (self.tile_m, self.dq_columns), swizzle_span(d),
-                                 order=self.dq_atom_order())
-        return sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout
-
-    def dq_parts(self) -> tuple:
-        """(row parts, column parts) of the dQ tile, one part per dQ warpgroup: by rows where the Q tile has a
-        64-row block per warpgroup (each part then is a whole MMA of N = head_dim), else by columns."""
-        wgs = DQ_WARPGROUPS[self.head_dim]
-        return (wgs, 1) if self.tile_m == 64 * wgs else (1, wgs)
-
-    def dq_atom_order(self) -> tuple:
-        """The float32 dQ tile's swizzle atoms (``swizzle_span``) follow one another across the parts last, so
-        that each part is a contiguous piece of ``sdQ``, swizzled alike, that one reduce-add copies."""
-        return (1, 0) if self.dq_parts()[0] > 1 else (0, 1)
-
-    def dq_part_layout(self):
-        """One dQ warpgroup's part of a round of the float32 dQ tile in shared memory (``dq_parts``)."""
-        row_parts, col_parts = self.dq_parts()
-        return rows_layout(cutlass.Float32, (self.tile_m // row_parts, self.dq_columns // col_parts),
-                           swizzle_span(self.head_dim), order=self.dq_atom_order())
+        return sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, self.dq.layout()
 
     @cute.jit
     def define_shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
@@ -611,12 +628,12 @@ class AttentionBackward:
                tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
                tma_lse: cute.CopyAtom, mLSE: cute.Tensor, tma_d: cute.CopyAtom, mD: cute.Tensor,
-               tma_dq: cute.CopyAtom, mdQ: cute.Tensor, mdQturns: cute.Tensor, tma_dk: cute.CopyAtom, mdK: cute.Tensor,
+               mdQ: cute.Tensor, mdQturns: cute.Tensor, tma_dk: cute.CopyAtom, mdK: cute.Tensor,
                tma_dv: cute.CopyAtom, mdV: cute.Tensor, scale_log2: cutlass.Float32,
                softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               sdQ_layout: cute.ComposedLayout):
+               sdQ_layout: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -624,7 +641,7 @@ class AttentionBackward:
         smem = self.shared_tensors(storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout)
         pipes = self.make_pipelines(storage)
         if warp_idx == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_d, tma_dq, tma_dk, tma_dv):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_d, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -646,7 +663,7 @@ class AttentionBackward:
                 self.load(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
                           n_block, head_kv, batch, group, window_left, window_right, num_sink_tokens, rotate)
             elif warp_idx == 1:
-                self.store_dq(tma_dq, mdQ, mdQturns, smem[5], n_block, head_kv, batch, group, mQ.shape[0],
+                self.store_dq(mdQ, mdQturns, smem[5], n_block, head_kv, batch, group, mQ.shape[0],
                               mK.shape[0], window_left, window_right, num_sink_tokens, rotate)
 
     @cute.jit
@@ -659,12 +676,13 @@ class AttentionBackward:
         return n_block, head_kv, batch
 
     def shared_tensors(self, storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
-        """sQ, sdO, sK, sV, sdS, sdQ with their swizzled layouts, then sLSE and sD as (tile_m, Q_STAGES)."""
+        """sQ, sdO, sK, sV, sdS with their swizzled layouts, sdQ, then sLSE and sD as (tile_m, Q_STAGES)."""
         swizzled = tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
             (storage.sQ, sQ_layout), (storage.sdO, sdO_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
-            (storage.sdS, sdS_layout), (storage.sdQ, sdQ_layout)))
+            (storage.sdS, sdS_layout)))
         rows = cute.make_layout((self.tile_m, Q_STAGES))
-        return swizzled + (storage.sLSE.get_tensor(rows), storage.sD.get_tensor(rows))
+        return swizzled + (storage.sdQ.get_tensor(sdQ_layout), storage.sLSE.get_tensor(rows),
+                           storage.sD.get_tensor(rows))
 
     def make_pipelines(self, storage):
         """K and V (once per CTA), Q with its LSE and dO with its D (rings of Q_STAGES and DO_STAGES)."""
@@ -747,17 +765,14 @@ class AttentionBackward:
 
     # --8<-- [start:dq_warp]
     @cute.jit
-    def store_dq(self, tma_dq, mdQ, mdQturns, sdQ, n_block: cutlass.Int32, head_kv: cutlass.Int32,
+    def store_dq(self, mdQ, mdQturns, sdQ, n_block: cutlass.Int32, head_kv: cutlass.Int32,
                  batch: cutlass.Int32, group: cutlass.Int32, seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32,
                  window_left: cutlass.Int32, window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32,
                  rotate: cutlass.Int32):
-        """The dQ warp: every step, each dQ warpgroup's part of the tile into the float32 sum, a TMA reduce-add
+        """The dQ warp: every step, each dQ warpgroup's part of the tile into the float32 sum, a bulk reduce-add
         per part (per part of each round, ``DQ_ROUNDS``). The MMA warpgroups only wait for their part's buffer;
         the adds, and in deterministic mode the turns, are this warp's."""
-        dq_wgs = DQ_WARPGROUPS[self.head_dim]
-        row_parts, col_parts = self.dq_parts()
-        part = cute.product_each(self.dq_part_layout().shape)
-        one_cta = cute.make_layout(1)
+        dq = self.dq
         mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate)
         m_block_min, m_block_max = mask.m_block_range()
         n_m = m_block_max - m_block_min
@@ -765,25 +780,23 @@ class AttentionBackward:
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
             m_block = q_tile(step % n_m, m_block_min, n_m)
-            for dq_round in cutlass.range_constexpr(DQ_ROUNDS[self.head_dim]):
-                for wg in cutlass.range_constexpr(dq_wgs):
+            for dq_round in cutlass.range_constexpr(dq.rounds):
+                for wg in cutlass.range_constexpr(dq.wgs):
                     # Part wg's last add (the groups complete in order) has read its buffer: hand it back.
-                    cute.arch.cp_async_bulk_wait_group(dq_wgs - 1 - wg, read=True)
+                    cute.arch.cp_async_bulk_wait_group(dq.wgs - 1 - wg, read=True)
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY) + wg,
                                              number_of_threads=DQ_PART_THREADS)
                 if cutlass.const_expr(dq_round == 0):
-                    gdQ = cute.local_tile(mdQ[None, None, head, batch], part, (None, None))
+                    tile = cute.local_tile(mdQ[batch, head, None], (dq.tile_m * dq.head_dim,), (m_block,))
                     if cutlass.const_expr(self.deterministic):
                         turns = mdQturns.iterator + cute.crd2idx((batch, head, m_block), mdQturns.layout)
                         wait_for_turn(turns, dq_turn(m_block))
-                for wg in cutlass.range_constexpr(dq_wgs):
+                for wg in cutlass.range_constexpr(dq.wgs):
                     cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL) + wg, number_of_threads=DQ_PART_THREADS)
-                    row, col = (wg, 0) if cutlass.const_expr(row_parts > 1) else (0, wg)
-                    sdQ_part = cute.local_tile(sdQ, part, (row, col))
-                    gdQ_part = gdQ[None, None, m_block * row_parts + row, dq_round * col_parts + col]
-                    tQsdQ, tQgdQ = cpasync.tma_partition(tma_dq, 0, one_cta, cute.group_modes(sdQ_part, 0, 2),
-                                                         cute.group_modes(gdQ_part, 0, 2))
-                    cute.copy(tma_dq, tQsdQ, tQgdQ)  # one elected lane issues it: the whole warp is here
+                    with cute.arch.elect_one():
+                        bulk_reduce_add_f32(sdQ[None, wg].iterator,
+                                            tile.iterator + (dq_round * dq.wgs + wg) * dq.part_floats,
+                                            dq.part_floats * 4)
                     cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 # The next tile's turn comes when this one's adds have landed, not only read shared memory.
@@ -829,18 +842,20 @@ class AttentionBackward:
         tdKrQ = thr_dk_wg.make_fragment_B(thr_dk_wg.partition_B(transposed(sQ)))
         acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
         acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, d)))
-        dq_threads = 128 * DQ_WARPGROUPS[d]
-        computes_dq = mma_tidx < dq_threads if DQ_WARPGROUPS[d] < MMA_WGS else True  # every warpgroup, or the first
+        dq = self.dq
+        dq_threads = 128 * dq.wgs
+        computes_dq = mma_tidx < dq_threads if dq.wgs < MMA_WGS else True  # every warpgroup, or the first
         thr_dq = dq_mma.get_slice(mma_tidx % dq_threads)
         thr_dq_wg = dq_mma.get_slice(wg_thread0 % dq_threads)
         tdQrdS = thr_dq_wg.make_fragment_A(thr_dq_wg.partition_A(sdS))      # (MMA, M, K, Q_STAGES)
         # K^T: (N = dQ's columns of a round, K = keys), per round
         tdQrK = [thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(
-            cute.local_tile(transposed(sK), (self.dq_columns, self.tile_n), (dq_round, 0))))
-            for dq_round in range(DQ_ROUNDS[d])]
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.dq_columns)))
-        tdQsdQ = thr_dq.partition_C(sdQ)
-        dq_swizzle = self.smem_layouts()[5].inner
+            cute.local_tile(transposed(sK), (dq.columns, self.tile_n), (dq_round, 0))))
+            for dq_round in range(dq.rounds)]
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, dq.columns)))
+        # this warpgroup's part (a warp-uniform index: the part's address is computed once, in uniform registers)
+        tdQsdQ = dq.store_copy().get_slice(mma_tidx % 128).partition_D(sdQ[None, mma_wg % dq.wgs])
+        tdQrdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape))  # in the order held
         # P^T and dS^T in 16 bits, in the registers' order of S^T (stage 8's P): the A operands of dV and dK, or
         # stored for them (with the columns split, their A operands are the whole tiles, in shared memory)
         rP = cute.make_rmem_tensor_like(acc_St, self.dtype)
@@ -895,7 +910,7 @@ class AttentionBackward:
                 warpgroup_gemm(dv_mma, acc_dV, tdVrP[None, None, None, Q_STAGES + q], tdVrdO[None, None, None, o],
                                zero_init=False)
             if computes_dq:
-                for dq_round in cutlass.range_constexpr(DQ_ROUNDS[d]):
+                for dq_round in cutlass.range_constexpr(dq.rounds):
                     warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK[dq_round])
                     if cutlass.const_expr(dq_round == 0):
                         warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
@@ -904,7 +919,9 @@ class AttentionBackward:
                     if cutlass.const_expr(dq_round == 0 and DO_STAGES[d] == 1):
                         pipeline_do.consumer_release(do_state)  # dV's product, dO's last reader, is done
                     cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY) + mma_wg, number_of_threads=DQ_PART_THREADS)
-                    store_swizzled(acc_dQ, tdQsdQ, dq_swizzle)
+                    cute.autovec_copy(tdQrdQ, tdQsdQ)
+                    if cutlass.const_expr(LATE_DQ_HANDOFF[d]):
+                        warpgroup.wait_group(0)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL) + mma_wg,
                                              number_of_threads=DQ_PART_THREADS)

@@ -29,7 +29,6 @@ cannot run on a CPU: the TODOs that use them are checked by the GPU tests only.
 
 from __future__ import annotations
 
-import collections
 import math
 import re
 from contextlib import contextmanager
@@ -1613,61 +1612,54 @@ def check_score_gradients(module, head_dim: int = 64) -> None:
 
 
 @cute.jit
-def dq_fragment_offsets(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, threads: cutlass.Constexpr,
-                        offsets: cute.Tensor, swizzle_bits: cute.Tensor):
-    """For every thread of the dQ warpgroups, its dQ registers' element offsets in the float32 dQ tile (the
-    layout before its swizzle), in the order of ``thr_dq.partition_C(sdQ)``, which ``store_swizzled`` stores;
-    and the tile's swizzle Sw<B, M, S> as (B, M, S)."""
+def dq_store_positions(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, threads: cutlass.Constexpr,
+                       positions: cute.Tensor, coords: cute.Tensor):
+    """For every thread of the dQ warpgroups and each of its dQ registers (the order it holds them): the float
+    of a round's buffer the register goes to (``DQTile.store_copy`` on ``DQTile.layout``), and the (row,
+    column) of the tile it holds (the dQ tiled MMA), which ``ConvertDQ`` writes it to."""
     kernel = backward_kernel(module, head_dim)
-    dq_mma = kernel.tiled_mmas()[-1]
-    sdQ_layout = kernel.smem_layouts()[5]
-    swizzle = sdQ_layout.inner
-    swizzle_bits[0], swizzle_bits[1], swizzle_bits[2] = swizzle.num_bits, swizzle.num_base, swizzle.num_shift
-    tile = cute.make_identity_tensor((kernel.tile_m, head_dim))
+    dq_mma, store_copy, layout = kernel.tiled_mmas()[-1], kernel.dq.store_copy(), kernel.dq.layout()
+    tile = cute.make_identity_tensor((kernel.dq.tile_m, kernel.dq.columns))
+    buffer = cute.make_identity_tensor(layout.shape)
     for thread in range(threads):
-        coords = dq_mma.get_slice(thread).partition_C(tile)
-        for i in range(cute.size(coords)):
-            offsets[thread, i] = sdQ_layout.outer(coords[i])
+        held = dq_mma.get_slice(thread).partition_C(tile)
+        stored = store_copy.get_slice(thread % 128).partition_D(buffer[None, thread // 128])
+        for i in range(cute.size(held)):
+            positions[thread, i] = layout(stored[i])
+            coords[thread, i, 0], coords[thread, i, 1] = held[i]
 
 
 def check_dq_stores(module, head_dim: int) -> None:
-    """Stage 11's dQ stores into its swizzled float32 tile: the addresses ``store_swizzled`` computes (a swizzled
-    address per offset within the swizzle's period, plus whole periods) are the swizzled addresses of the
-    elements, and each warp's 8-byte store touches each shared-memory bank at most twice (two wavefronts, the
-    least 256 bytes take)."""
-    tile_m = module.Q_TILE_ROWS[head_dim]
-    threads = 128 * module.DQ_WARPGROUPS[head_dim]
-    per_thread = tile_m * head_dim // threads
-    offsets = torch.zeros(threads, per_thread, dtype=torch.int32)
-    swizzle_bits = torch.zeros(3, dtype=torch.int32)
-    args = (offsets, swizzle_bits)
-    compile_on_cpu(dq_fragment_offsets, (module, head_dim, threads), args)(*args)
-    bits, base, shift = (int(x) for x in swizzle_bits)
-    period = 1 << (bits + base + shift)
-
-    def swizzled(address):
-        return address ^ ((address >> shift) & (((1 << bits) - 1) << base))
-
-    where = f"D = {head_dim}, Q tiles of {tile_m} rows"
-    assert len({int(o) for o in offsets.flatten()}) == offsets.numel(), f"{where}: two threads store one element"
+    """Stage 11's dQ stores, in the order the registers hold the values: every float of a round's buffer gets
+    exactly one register and every (row, column) of the tile exactly one; a thread's stores are 16-byte
+    vectors of its registers in order, each warpgroup's inside its part (the piece its reduce-add copies);
+    and a quarter warp's vectors fill 128 contiguous bytes (one wavefront, no bank conflict)."""
+    kernel = backward_kernel(module, head_dim)
+    dq = kernel.dq
+    threads = 128 * dq.wgs
+    per_thread = dq.part_floats // 128
+    positions = torch.zeros(threads, per_thread, dtype=torch.int32)
+    coords = torch.zeros(threads, per_thread, 2, dtype=torch.int32)
+    args = (positions, coords)
+    compile_on_cpu(dq_store_positions, (module, head_dim, threads), args)(*args)
+    where = f"D = {head_dim}, Q tiles of {dq.tile_m} rows, {dq.columns} columns a round"
+    assert sorted(positions.flatten().tolist()) == list(range(dq.tile_m * dq.columns)), \
+        f"{where}: the stores do not cover the buffer once each"
+    cells = {(int(r), int(c)) for r, c in coords.reshape(-1, 2).tolist()}
+    assert len(cells) == positions.numel() and all(0 <= r < dq.tile_m and 0 <= c < dq.columns for r, c in cells), \
+        f"{where}: the registers do not hold each (row, column) of the tile once"
     for thread in range(threads):
-        first = int(offsets[thread, 0]) * 4
-        for i in range(0, per_thread, 2):
-            offset = int(offsets[thread, i]) * 4 - first
-            assert int(offsets[thread, i + 1]) == int(offsets[thread, i]) + 1, \
-                f"{where}: thread {thread}'s registers {i}, {i + 1} are not adjacent floats (no 8-byte store)"
-            within = offset % period
-            assert swizzled(first + offset) == swizzled(first + within) + offset - within, \
-                f"{where}: thread {thread}, register {i}: whole swizzle periods do not commute with the swizzle"
-    for warp in range(threads // 32):
-        for i in range(0, per_thread, 2):
-            banks = collections.Counter()
-            for lane in range(32):
-                address = swizzled(int(offsets[warp * 32 + lane, i]) * 4)
-                banks.update((address // 4 % 32, address // 4 % 32 + 1))
-            assert max(banks.values()) <= 2, (
-                f"{where}: warp {warp}'s store of registers {i}, {i + 1} hits a bank {max(banks.values())} times "
-                "(bank conflicts: more than the two wavefronts 256 bytes need)")
+        part = range(thread // 128 * dq.part_floats, (thread // 128 + 1) * dq.part_floats)
+        for i in range(0, per_thread, 4):
+            vector = positions[thread, i:i + 4].tolist()
+            assert vector[0] % 4 == 0 and vector == list(range(vector[0], vector[0] + 4)), \
+                f"{where}: thread {thread}'s registers {i}..{i + 3} are not one aligned 16-byte vector"
+            assert vector[0] in part, f"{where}: thread {thread} stores outside its warpgroup's part"
+    for quarter in range(threads // 8):
+        for i in range(0, per_thread, 4):
+            starts = sorted(int(positions[quarter * 8 + lane, i]) for lane in range(8))
+            assert starts == list(range(starts[0], starts[0] + 32, 4)), \
+                f"{where}: lanes {quarter * 8}..{quarter * 8 + 7}'s vector {i // 4} is not 128 contiguous bytes"
 
 
 # ---------------------------------------------------------------- stage 9: the fragments, one warp emulated

@@ -109,14 +109,14 @@ def test_deterministic_mode_cross_compiles(stage, name):
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda dims: dims_id(*dims))
 def test_preprocess_pads_rows_that_see_nothing(stage, dims):
     """The preprocess: D = rowsum(dO * O) in float32, the LSE in log2 units with +inf for an empty row (-inf) and
-    for the padding up to whole Q tiles (so P = 0 there), D = 0 on the padding, the dQ sum (D wide) zeroed."""
+    for the padding up to whole Q tiles (so P = 0 there), D = 0 on the padding, the dQ sum (padding too) zeroed."""
     from course.runtime import launch
 
     head_dim, head_dim_v = dims
     do, o = (torch.randn(1, 3, 2, head_dim_v, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lse = torch.tensor([[[0.5, -float("inf"), 1.0], [2.0, 0.0, -float("inf")]]], device="cuda")
     lse2, d = (torch.full((1, 2, 64), float("nan"), device="cuda") for _ in range(2))
-    dq_accum = torch.full((1, 3, 2, head_dim), float("nan"), device="cuda")
+    dq_accum = torch.full((1, 2, 64 * head_dim), float("nan"), device="cuda")  # [B, H, S_pad * D]
     pre = launch.compiled((stage.AttentionBackward.preprocess, do.dtype, *dims), lambda: (
         backward.preprocess_kernel_and_args(stage.AttentionBackward, do.dtype, *dims)))
     pre(do, o, lse, lse2, d, dq_accum)
@@ -280,8 +280,9 @@ def test_on_cpu_deterministic_turns(stage, mask, rotate, head_dim):
 
 @pytest.mark.compiles
 @pytest.mark.parametrize("head_dim", sorted({d for d, _ in HEAD_DIMS}))
-def test_on_cpu_dq_stores_are_swizzled_right_without_bank_conflicts(stage, head_dim):
-    """store_swizzled's addresses are the dQ tile's swizzled ones, and a warp's 8-byte stores take two wavefronts."""
+def test_on_cpu_dq_stores_cover_the_tile_once_without_bank_conflicts(stage, head_dim):
+    """dQ's registers go to their part of the buffer, 16 bytes each, a quarter warp's in one wavefront, and
+    hold every (row, column) of the tile once: what ConvertDQ reads back."""
     cpu_numerics.check_dq_stores(stage, head_dim)
 
 

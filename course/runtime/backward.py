@@ -5,7 +5,8 @@ The main kernel computes dK, dV and a float32 sum of dQ; around it:
 - preprocess (a kernel of the stage): D = rowsum(dO * O) per query row, and the
   forward's LSE in the log2 domain with +inf for a row that saw no key
   (P = exp2(S - inf) = 0), both [B, H_q, S_q] padded to whole Q tiles (the
-  padding is +inf and 0: no row), and the float32 dQ sum zeroed;
+  padding is +inf and 0: no row), and the float32 dQ sum zeroed ([B, H_q, S_pad * D]:
+  each Q tile's values in the order the main kernel stores them, the stage's ``DQTile``);
 - postprocess (a kernel of the stage): dQ = softmax_scale * the float32 sum, in
   q's dtype; on the host, the sink logits' gradient
   dsink[h] = -sum over (b, i) of exp(sink[h] - LSE) * D.
@@ -42,11 +43,10 @@ def fake_arguments(config: prefill.KernelConfig) -> tuple:
     dtype = getattr(torch, config.dtype)
     symbols: dict = {}
     q, k, v, do = fake_attention_tensors(dtype, config.head_dim, symbols, head_dim_v=config.dv)
-    rows = {}  # LSE and D share their padded sizes, not q's
+    rows = {}  # LSE, D and the dQ sum share their padded sizes, not q's
     lse = symbolic_tensor(torch.float32, ("b", "h", "s_pad"), symbols=rows, stride_divisibility=4)
     d = symbolic_tensor(torch.float32, ("b", "h", "s_pad"), symbols=rows, stride_divisibility=4)
-    dq_accum = symbolic_tensor(torch.float32, ("B", "S_q", "H_q", config.head_dim), symbols=symbols,
-                               stride_divisibility=4)
+    dq_accum = symbolic_tensor(torch.float32, ("b", "h", "s_pad_d"), symbols=rows, stride_divisibility=4)
     dq_turns = symbolic_tensor(torch.int32, ("tb", "th", "tm"), symbols={}, align=4,
                                stride_divisibility=1)
     dk = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
@@ -63,7 +63,7 @@ def cross_compile_config(kernel_class, config: prefill.KernelConfig, *, stage: i
 
 def preprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int, head_dim_v: int | None = None):
     """The preprocess pass (``kernel_class.preprocess``) and its symbolic arguments: dO, O [B, S, H, D_v]; the
-    LSE [B, H, S]; the padded log2 LSE and D [B, H, S_pad]; the float32 dQ sum [B, S, H, D]."""
+    LSE [B, H, S]; the padded log2 LSE and D [B, H, S_pad]; the float32 dQ sum [B, H, S_pad * D]."""
     import torch
 
     head_dim_v = head_dim_v or head_dim
@@ -72,7 +72,7 @@ def preprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int, head_di
     lse = symbolic_tensor(torch.float32, ("B", "H", "S"), symbols=symbols, align=4, stride_divisibility=1)
     lse2, d = (symbolic_tensor(torch.float32, ("B", "H", "S_pad"), symbols=symbols, stride_divisibility=4)
                for _ in range(2))
-    dq_accum = symbolic_tensor(torch.float32, ("B", "S", "H", head_dim), symbols=symbols, stride_divisibility=4)
+    dq_accum = symbolic_tensor(torch.float32, ("B", "H", "S_pad_D"), symbols=symbols, stride_divisibility=4)
     return kernel_class.preprocess(head_dim, head_dim_v), (do, o, lse, lse2, d, dq_accum)
 
 
@@ -82,7 +82,7 @@ def postprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int):
     import torch
 
     symbols: dict = {}
-    dq_accum = symbolic_tensor(torch.float32, ("B", "S", "H", head_dim), symbols=symbols, stride_divisibility=4)
+    dq_accum = symbolic_tensor(torch.float32, ("B", "H", "S_pad_D"), symbols=symbols, stride_divisibility=4)
     dq = symbolic_tensor(torch_dtype, ("B", "S", "H", head_dim), symbols=symbols)
     return kernel_class.postprocess(head_dim), (dq_accum, dq, cutlass.Float32(1.0))
 
@@ -151,7 +151,7 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
 
     def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):
         lse_log2, d = (torch.empty(rows, device=device, dtype=torch.float32) for _ in range(2))
-        dq_accum = torch.empty(q.shape, device=device, dtype=torch.float32)
+        dq_accum = torch.empty((*rows, shape.head_dim), device=device, dtype=torch.float32).flatten(2)
         dq = torch.empty_like(q) if dq is None else dq
         dk = torch.empty_like(k) if dk is None else dk
         dv = torch.empty_like(v) if dv is None else dv

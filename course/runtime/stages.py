@@ -161,7 +161,7 @@ STAGES = [
           ready=True, bench_shapes=FA3_REFERENCE, starts_from=8, diffed=False, ragged_shapes=RAGGED,
           cpu_numerics=("locate", "page_lookup", "load_paged_tile")),
     Stage(11, "backward", "The backward pass",
-          "dQ, dK, dV and dsink: P recomputed from the LSE, the transposed products on WGMMA, dQ by TMA reduce-adds",
+          "dQ, dK, dV and dsink: P recomputed from the LSE, the transposed products on WGMMA, dQ by bulk reduce-adds",
           ready=True, kind="backward", bench_shapes=BACKWARD, starts_from=10, diffed=False,
           cpu_numerics=("m_block_range", "probabilities_and_score_gradients")),
 ]
