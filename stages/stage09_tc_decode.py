@@ -1583,7 +1583,7 @@ def compile_matrix() -> list[DecodeConfig]:
                    for tiles in ROW_TILES if tiles <= row_tiles(64, d)
                    for warps in WARPS if warps == 4 or d <= 128]
         configs += [DecodeConfig(dtype, d, paged, cache, *flags[i % len(flags)], tiles, warps, *EXTRAS[i % len(EXTRAS)],
-                                 head_dim_v=dv if dv != d else 0)
+                                 head_dim_v=validation.distinct_head_dim_v(d, dv))
                     for i, (dtype, cache, paged, tiles, warps) in enumerate(layouts)]
     return configs
 

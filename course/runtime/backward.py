@@ -31,7 +31,7 @@ HEAD_DIMS = validation.BACKWARD_HEAD_DIMS
 def kernel_configs() -> list[prefill.KernelConfig]:
     """Both dtypes, every head dim of HEAD_DIMS, every combination of window sides and sink tokens."""
     either = (False, True)
-    return [prefill.KernelConfig(dtype, d, left, right, tokens, 0 if d_v == d else d_v)
+    return [prefill.KernelConfig(dtype, d, left, right, tokens, validation.distinct_head_dim_v(d, d_v))
             for dtype in prefill.DTYPES for d, d_v in HEAD_DIMS for left in either for right in either
             for tokens in (either if left else (False,))]
 

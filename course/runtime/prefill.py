@@ -85,7 +85,7 @@ def kernel_configs(stage: int) -> list[KernelConfig]:
         added = [pair for pair in validation.HEAD_DIMS_FROM_STAGE_8
                  if pair not in validation.HEAD_DIMS_BEFORE_STAGE_8]
         every = (True, True, True)
-        configs = [KernelConfig(DTYPES[i % 2], d, *flags, head_dim_v=d_v if d_v != d else 0)
+        configs = [KernelConfig(DTYPES[i % 2], d, *flags, head_dim_v=validation.distinct_head_dim_v(d, d_v))
                    for i, (d, d_v) in enumerate(added) for flags in ((False, False, False), every)] + configs
     return configs
 
@@ -132,7 +132,7 @@ def call_config(q, shape: validation.AttentionShape, left: int, right: int, num_
     (``kernel_window``'s results)."""
     return KernelConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                         left >= 0 and num_sink_tokens > 0,
-                        shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0)
+                        validation.distinct_head_dim_v(shape.head_dim, shape.head_dim_v))
 
 
 def attention(stage: int, kernel_class, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from course.runtime.shapes import DecodeShape, PrefillShape, RaggedShape
+from course.runtime.validation import distinct_head_dim_v
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLS = ("stages", "solutions")
@@ -84,7 +85,7 @@ LSE = (  # writing the LSE costs one float per row: timed next to the same shape
 # Stage 8: the FA3 paper's plots, TFLOP/s against the sequence length at B * S = 16k and H * D = 2048, for
 # every head dim pair (D, D_v) stage 8 takes.
 SWEEP_HEAD_DIMS = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 192), (192, 128), (256, 256))
-FA3_SWEEP = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, causal=causal, head_dim_v=d_v if d_v != d else 0)
+FA3_SWEEP = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, causal=causal, head_dim_v=distinct_head_dim_v(d, d_v))
                   for d, d_v in SWEEP_HEAD_DIMS for causal in (False, True)
                   for s in (512, 1024, 2048, 4096, 8192, 16384))
 FA3_REFERENCE = (  # the shapes of the issue that set stage 8's targets
@@ -117,7 +118,8 @@ RAGGED = (
 
 # Stage 11: the FA3 paper's backward sweep (B * S = 16k, H * D = 2048), every head dim the backward takes, causal
 # and not, in bf16.
-BACKWARD = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, "bfloat16", causal=causal, head_dim_v=d_v if d_v != d else 0)
+BACKWARD = tuple(PrefillShape(16384 // s, 2048 // d, s, s, d, "bfloat16", causal=causal,
+                              head_dim_v=distinct_head_dim_v(d, d_v))
                  for d, d_v in ((128, 128), (64, 64), (96, 96), (80, 80), (192, 192), (192, 128), (256, 256))
                  for causal in (False, True) for s in (512, 1024, 2048, 4096, 8192, 16384))
 

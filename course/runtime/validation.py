@@ -55,6 +55,12 @@ HEAD_DIMS_BEFORE_STAGE_8 = ((64, 64), (128, 128))
 HEAD_DIMS_FROM_STAGE_8 = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256))
 
 
+def distinct_head_dim_v(head_dim: int, head_dim_v: int) -> int:
+    """V's head dim as shapes and kernel configurations store it: 0 unless it differs from ``head_dim``, so
+    that (128, 128) and 128 are one shape and one compiled kernel."""
+    return 0 if head_dim_v == head_dim else head_dim_v
+
+
 def describe_dims(d: int, d_v: int) -> str:
     """e.g. "head_dim 96", or "head_dim 192 for q and k with 128 for v"."""
     return f"head_dim {d}" if d == d_v else f"head_dim {d} for q and k with {d_v} for v"
@@ -494,7 +500,7 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, *, block_table=None,
             raise ValueError("cache_leftpad (left-padded sequences) and cache_capacity (a rolling cache) do not go "
                              "together: a rolling cache's rows follow token positions from 0; pass one of them")
     return DecodeInputShape(b, h_q, h_kv, d, capacity, page_size, num_pages, k_new is not None, rotary_dim,
-                            rotary_positions, rolling, queries, d_v if d_v != d else 0)
+                            rotary_positions, rolling, queries, distinct_head_dim_v(d, d_v))
 
 
 def _check_decode_q(q, stage: int) -> int:

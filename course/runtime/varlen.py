@@ -61,7 +61,7 @@ def kernel_configs(stage: int, gathers) -> list[VarlenConfig]:
     configs += [VarlenConfig("float16", 128, has_right=True, has_seqused_k=True)]
     configs += [VarlenConfig("bfloat16", d, has_right=True, page_rows=rows) for d in (64, 128) for rows in (16, 32, 64, 128)]
     others = [pair for pair in validation.HEAD_DIMS_FROM_STAGE_8 if pair not in validation.HEAD_DIMS_BEFORE_STAGE_8]
-    configs += [VarlenConfig(prefill.DTYPES[i % 2], d, head_dim_v=d_v if d_v != d else 0, page_rows=16, **every)
+    configs += [VarlenConfig(prefill.DTYPES[i % 2], d, head_dim_v=validation.distinct_head_dim_v(d, d_v), page_rows=16, **every)
                 for i, (d, d_v) in enumerate(others)]
     configs += [VarlenConfig("bfloat16", 64, has_right=True, has_alibi=True),  # ALiBi: causal, and with everything
                 VarlenConfig("float16", 128, page_rows=64, has_alibi=True, **every)]
@@ -163,7 +163,7 @@ def _plan_launch(kernel_class, q, shape: validation.VarlenShape, *, causal, wind
     rows = page_rows(tiles.tile_n, shape.page_size) if paged else 0
     config = VarlenConfig(str(q.dtype).removeprefix("torch."), shape.head_dim, left >= 0, right >= 0,
                           left >= 0 and num_sink_tokens > 0,
-                          shape.head_dim_v if shape.head_dim_v != shape.head_dim else 0,
+                          validation.distinct_head_dim_v(shape.head_dim, shape.head_dim_v),
                           page_rows=rows, page_gather=kernel_class.gathers(shape.head_dim, shape.head_dim_v, rows),
                           has_seqused_k=has_seqused_k and not paged, has_alibi=has_alibi)
     kernel = launch.compiled((kernel_class, config), lambda: (kernel_class(config), fake_arguments(config)))

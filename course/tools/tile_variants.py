@@ -17,6 +17,7 @@ from functools import cache, partial
 from pathlib import Path
 
 from course.runtime.shapes import PrefillShape
+from course.runtime.validation import distinct_head_dim_v
 from course.tools import bench
 
 DEFAULT_OUT = bench.DEFAULT_OUT
@@ -46,7 +47,7 @@ def section_shapes(section: str) -> list[PrefillShape]:
         return heads_at_64 if d == 64 else 16 if d < 192 else 2048 // d
 
     shapes = [PrefillShape(batch, heads(d, heads_at_64), seqlen, seqlen, d, causal=causal,
-                           head_dim_v=d_v if d_v != d else 0)
+                           head_dim_v=distinct_head_dim_v(d, d_v))
               for d, d_v in VARIANTS[section] for causal in (False, True)
               for batch, heads_at_64, seqlen in ((4, 16, 4096), (2, 32, 8192))]
     if section == "tilings":  # short sequences: the last 192-row tile is mostly empty
