@@ -201,6 +201,7 @@ class DQTile:
         self.columns = head_dim // self.rounds
         self.parts = (self.wgs, 1) if tile_m == 64 * self.wgs else (1, self.wgs)
         self.part_floats = tile_m * self.columns // self.wgs
+        self.tile_floats = tile_m * head_dim  # a Q tile's share of dQaccum
 
     def tiled_mma(self, dtype):
         """dQ = dS K, warpgroup w's part of a round: dS and K both M/N-major."""
@@ -212,6 +213,11 @@ class DQTile:
     def layout(self):
         """One round in shared memory, or of a Q tile in dQaccum: (floats of a part, part)."""
         return cute.make_layout((self.part_floats, self.wgs))
+
+    def offset(self, dq_round, part):
+        """Where ``part`` of round ``dq_round`` starts among a Q tile's floats of dQaccum: the dQ warp adds it
+        there, ConvertDQ reads it back from there."""
+        return (dq_round * self.wgs + part) * self.part_floats
 
     def store_copy(self):
         """A thread's accumulators, four at a time, thread t of a warpgroup at 4 t of its part (``layout``)."""
@@ -478,13 +484,12 @@ class ConvertDQ:
         m_block, head, batch = cute.arch.block_idx()
         dq, shape = self.dq, (self.dq.tile_m, self.dq.columns)
         thr_mma, thr_copy = dq_mma.get_slice(tidx), dq.store_copy().get_slice(tidx % 128)
-        tile_floats = dq.tile_m * dq.head_dim
-        tile = cute.local_tile(mdQaccum[batch, head, None], (tile_floats,), (m_block,))
+        tile = cute.local_tile(mdQaccum[batch, head, None], (dq.tile_floats,), (m_block,))
         rows_left = mdQ.shape[1] - m_block * dq.tile_m
         coords = thr_mma.partition_C(cute.make_identity_tensor(shape))
         for dq_round in cutlass.range_constexpr(dq.rounds):
             acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C(shape))
-            round_sums = cute.make_tensor(tile.iterator + dq_round * dq.wgs * dq.part_floats, dq.layout())
+            round_sums = cute.make_tensor(tile.iterator + dq.offset(dq_round, 0), dq.layout())
             sums = thr_copy.partition_S(round_sums[None, tidx // 128])
             cute.autovec_copy(sums, cute.make_tensor(acc.iterator, cute.make_layout(sums.shape)))
             out = cute.make_rmem_tensor_like(acc, mdQ.element_type)
@@ -777,6 +782,8 @@ class AttentionBackward:
         m_block_min, m_block_max = mask.m_block_range()
         n_m = m_block_max - m_block_min
         q_tile, dq_turn = mask.q_tile, mask.dq_turn
+        # DQTile.offset of each part, as a list: a run-time loop cannot carry the DQTile itself
+        part_offsets = [[dq.offset(dq_round, wg) for wg in range(dq.wgs)] for dq_round in range(dq.rounds)]
         for step in cutlass.range(group * n_m, unroll=1):
             head = head_kv * group + step // n_m
             m_block = q_tile(step % n_m, m_block_min, n_m)
@@ -787,15 +794,14 @@ class AttentionBackward:
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY) + wg,
                                              number_of_threads=DQ_PART_THREADS)
                 if cutlass.const_expr(dq_round == 0):
-                    tile = cute.local_tile(mdQ[batch, head, None], (dq.tile_m * dq.head_dim,), (m_block,))
+                    tile = cute.local_tile(mdQ[batch, head, None], (dq.tile_floats,), (m_block,))
                     if cutlass.const_expr(self.deterministic):
                         turns = mdQturns.iterator + cute.crd2idx((batch, head, m_block), mdQturns.layout)
                         wait_for_turn(turns, dq_turn(m_block))
                 for wg in cutlass.range_constexpr(dq.wgs):
                     cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL) + wg, number_of_threads=DQ_PART_THREADS)
                     with cute.arch.elect_one():
-                        bulk_reduce_add_f32(sdQ[None, wg].iterator,
-                                            tile.iterator + (dq_round * dq.wgs + wg) * dq.part_floats,
+                        bulk_reduce_add_f32(sdQ[None, wg].iterator, tile.iterator + part_offsets[dq_round][wg],
                                             dq.part_floats * 4)
                     cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
