@@ -76,6 +76,17 @@ STAGE = 11
 # Query rows per step (the N of S^T = K Q^T, the M of dQ = dS K), per head dim: 128 where the registers and
 # shared memory hold a step that wide (D = 64: S^T and dP^T take 64 registers each, dK and dV 32), else 64.
 Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64, 192: 64, 256: 64}
+# Without a mask, D = 128 takes 80 rows (FlashAttention-3's and -4's choice): a fifth fewer steps per KV tile, and
+# S^T, dP^T, dV and dK grow from N or K = 64 to 80. 80 is not a multiple of the WGMMA's 64-row M, so dQ is
+# computed transposed (DQTile). With a mask, the diagonal tiles' idle rows would cost more than the steps save.
+UNMASKED_Q_TILE_ROWS = {128: 80}
+
+
+def q_tile_rows(config) -> int:
+    """Query rows per step of ``config``'s kernel."""
+    masked = config.has_left or config.has_right
+    return Q_TILE_ROWS[config.head_dim] if masked else UNMASKED_Q_TILE_ROWS.get(config.head_dim,
+                                                                                 Q_TILE_ROWS[config.head_dim])
 # --8<-- [end:q_tile_rows]
 # --8<-- [start:key_warpgroups]
 # MMA warpgroups along the KV tile's keys, 64 keys each (the M of S^T, dK and dV). Up to D = 128 each warpgroup
@@ -199,16 +210,19 @@ class DQTile:
         self.wgs = DQ_WARPGROUPS[head_dim]
         self.rounds = DQ_ROUNDS[head_dim]
         self.columns = head_dim // self.rounds
-        self.parts = (self.wgs, 1) if tile_m == 64 * self.wgs else (1, self.wgs)
+        # Rows not a multiple of 64 (the WGMMA's M): dQ^T = K^T dS^T, the columns as M, split by warpgroup
+        self.transposed = tile_m % 64 != 0
+        self.shape = (self.columns, tile_m) if self.transposed else (tile_m, self.columns)  # the product's (M, N)
+        self.parts = (self.wgs, 1) if self.transposed or tile_m == 64 * self.wgs else (1, self.wgs)
         self.part_floats = tile_m * self.columns // self.wgs
         self.tile_floats = tile_m * head_dim  # a Q tile's share of dQaccum
 
     def tiled_mma(self, dtype):
-        """dQ = dS K, warpgroup w's part of a round: dS and K both M/N-major."""
+        """dQ = dS K (or dQ^T = K^T dS^T), warpgroup w's part of a round: both operands M/N-major."""
         row_parts, col_parts = self.parts
         return sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, OperandMajorMode.MN, OperandMajorMode.MN, cutlass.Float32, (row_parts, col_parts, 1),
-            (64, self.columns // col_parts))
+            (64, self.shape[1] // col_parts))
 
     def layout(self):
         """One round in shared memory, or of a Q tile in dQaccum: (floats of a part, part)."""
@@ -246,7 +260,7 @@ class KeyTileMask(WindowMask):
 
     def __init__(self, n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, deterministic=False,
                  rotate=0):
-        super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, Q_TILE_ROWS[config.head_dim],
+        super().__init__(0, seqlen_q, seqlen_k, left, right, num_sink_tokens, config, q_tile_rows(config),
                          kv_tile_keys(config.head_dim))
         self.n_block = n_block
         self.key0 = n_block * self.tile_n
@@ -444,8 +458,8 @@ class ConvertDQ:
     tile's sum in ``DQTile``'s order, each thread the values the main kernel's thread of the same index
     stored, and writes them where the same tiled MMA puts them."""
 
-    def __init__(self, head_dim: int):
-        self.dq = DQTile(head_dim, Q_TILE_ROWS[head_dim])
+    def __init__(self, head_dim: int, tile_m: int):
+        self.dq = DQTile(head_dim, tile_m)
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: cutlass.Float32, stream):
@@ -458,7 +472,7 @@ class ConvertDQ:
                softmax_scale: cutlass.Float32):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        dq, shape = self.dq, (self.dq.tile_m, self.dq.columns)
+        dq, shape = self.dq, self.dq.shape
         thr_mma, thr_copy = dq_mma.get_slice(tidx), dq.store_copy().get_slice(tidx % 128)
         tile = cute.local_tile(mdQaccum[batch, head, None], (dq.tile_floats,), (m_block,))
         rows_left = mdQ.shape[1] - m_block * dq.tile_m
@@ -470,13 +484,14 @@ class ConvertDQ:
             cute.autovec_copy(sums, cute.make_tensor(acc.iterator, cute.make_layout(sums.shape)))
             out = cute.make_rmem_tensor_like(acc, mdQ.element_type)
             out.store((acc.load() * softmax_scale).to(mdQ.element_type))
-            gdQ = thr_mma.partition_C(cute.local_tile(mdQ[batch, None, head, None], shape, (m_block, dq_round)))
+            gdQ = cute.local_tile(mdQ[batch, None, head, None], (dq.tile_m, dq.columns), (m_block, dq_round))
+            tdQgdQ = thr_mma.partition_C(transposed(gdQ) if cutlass.const_expr(dq.transposed) else gdQ)
             if rows_left >= dq.tile_m:
-                cute.autovec_copy(out, gdQ)
+                cute.autovec_copy(out, tdQgdQ)
             else:
                 for i in cutlass.range_constexpr(cute.size(out)):
-                    if coords[i][0] < rows_left:
-                        gdQ[i] = out[i]
+                    if coords[i][1 if dq.transposed else 0] < rows_left:
+                        tdQgdQ[i] = out[i]
 # --8<-- [end:preprocess]
 
 
@@ -499,7 +514,7 @@ class AttentionBackward:
     the passes before and after it are ``preprocess`` and ``postprocess``."""
 
     preprocess, postprocess = Preprocess, ConvertDQ
-    q_tile_rows = Q_TILE_ROWS  # the host pads the LSE and D to whole Q tiles, and counts deterministic turns per tile
+    q_tile_rows = staticmethod(q_tile_rows)  # the host pads the LSE, D and dQ's sum to whole Q tiles, counts turns
     kv_tile_keys = staticmethod(kv_tile_keys)  # and rotates deterministic turns only while every KV tile is resident
 
     def __init__(self, config, deterministic: bool = False):
@@ -507,7 +522,7 @@ class AttentionBackward:
         self.deterministic = deterministic  # dQ's shares added in a fixed order (KeyTileMask.dq_turn)
         self.dtype = config.cute_dtype
         self.head_dim, self.head_dim_v = config.head_dim, config.dv
-        self.tile_m = Q_TILE_ROWS[config.head_dim]
+        self.tile_m = q_tile_rows(config)
         self.tile_n = kv_tile_keys(config.head_dim)
         # Warpgroups along dK's and dV's columns (and S^T's query rows): with two, P^T and dS^T go through
         # shared memory to both (KEY_WARPGROUPS)
@@ -829,12 +844,15 @@ class AttentionBackward:
         computes_dq = mma_tidx < dq_threads if dq.wgs < MMA_WGS else True  # every warpgroup, or the first
         thr_dq = dq_mma.get_slice(mma_tidx % dq_threads)
         thr_dq_wg = dq_mma.get_slice(wg_thread0 % dq_threads)
-        tdQrdS = thr_dq_wg.make_fragment_A(thr_dq_wg.partition_A(sdS))      # (MMA, M, K, Q_STAGES)
-        # K^T: (N = dQ's columns of a round, K = keys), per round
-        tdQrK = [thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(
-            cute.local_tile(transposed(sK), (dq.columns, self.tile_n), (dq_round, 0))))
-            for dq_round in range(dq.rounds)]
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, dq.columns)))
+        # dS: (rows, K = keys, Q_STAGES); K^T: (dQ's columns of a round, K = keys), per round. dQ = dS K takes dS
+        # as A, K^T as B; dQ^T = K^T dS^T the other way round.
+        operand_a = lambda t: thr_dq_wg.make_fragment_A(thr_dq_wg.partition_A(t))  # noqa: E731
+        operand_b = lambda t: thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(t))  # noqa: E731
+        ds_operand, k_operand = (operand_b, operand_a) if dq.transposed else (operand_a, operand_b)
+        tdQrdS = ds_operand(sdS)
+        tdQrK = [k_operand(cute.local_tile(transposed(sK), (dq.columns, self.tile_n), (dq_round, 0)))
+                 for dq_round in range(dq.rounds)]
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq.shape))
         # this warpgroup's part (a warp-uniform index: the part's address is computed once, in uniform registers)
         tdQsdQ = dq.store_copy().get_slice(mma_tidx % 128).partition_D(sdQ[None, mma_wg % dq.wgs])
         tdQrdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape))  # in the order held
@@ -893,7 +911,10 @@ class AttentionBackward:
                                zero_init=False)
             if computes_dq:
                 for dq_round in cutlass.range_constexpr(dq.rounds):
-                    warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK[dq_round])
+                    if cutlass.const_expr(dq.transposed):
+                        warpgroup_gemm(dq_mma, acc_dQ, tdQrK[dq_round], tdQrdS[None, None, None, q])
+                    else:
+                        warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK[dq_round])
                     if cutlass.const_expr(dq_round == 0):
                         warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
                     # dQ into this warpgroup's part of the buffer while dK's MMAs run; the dQ warp adds it.

@@ -1392,15 +1392,9 @@ def check_gather_paged_tile(module, page_size: int, seqlen_k: int, head_dim: int
 
 # ---------------------------------------------------------------- stage 11: a KV tile's Q tiles, P and dS
 
-def backward_kernel(module, head_dim: int):
-    """Stage 11's kernel for ``head_dim`` (its tiles, tiled MMAs and layouts; fp16, no mask)."""
-    return module.AttentionBackward(prefill.KernelConfig(head_dim=head_dim))
-
-
-def sdp_tiled_mma(module, head_dim: int):
-    """S^T = K Q^T partitioned as stage 11's kernel for ``head_dim`` does it (sdp_mma): the (key, row) of each
-    register."""
-    return backward_kernel(module, head_dim).tiled_mmas()[0]
+def backward_kernel(module, head_dim: int, config=None):
+    """Stage 11's kernel for ``config``, or for ``head_dim`` with no mask (its tiles, tiled MMAs and layouts)."""
+    return module.AttentionBackward(config or prefill.KernelConfig(head_dim=head_dim))
 
 
 @cute.jit
@@ -1413,8 +1407,8 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
     ``tiles`` gets [m_block_min, m_block_max] (``m_block_range``), then ``tile_is_partial`` of each Q tile,
     then ``dq_turn`` of each Q tile (the deterministic dQ order).
     """
-    tile_m, tile_n = module.Q_TILE_ROWS[config.head_dim], module.kv_tile_keys(config.head_dim)
-    sdp_mma = sdp_tiled_mma(module, config.head_dim)
+    kernel = backward_kernel(module, config.head_dim, config)
+    tile_m, tile_n, sdp_mma = kernel.tile_m, kernel.tile_n, kernel.tiled_mmas()[0]
     mask = module.KeyTileMask(n_block, seqlen_q, seqlen_k, left, right, num_sink_tokens, config)
     m_block_min, m_block_max = mask.m_block_range()
     tiles[0] = m_block_min
@@ -1442,12 +1436,12 @@ def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]],
     """KeyTileMask.m_block_range and apply_transposed for every KV tile against reference.visible_keys: the
     Q tiles a KV tile visits are exactly those with a row that sees one of its keys, a tile that skips the
     mask sees all of them, and the mask hides exactly the invisible (row, key) pairs. The Q tiles are those of
-    ``head_dim``'s kernel (``Q_TILE_ROWS``)."""
+    ``head_dim``'s kernel with this mask (``q_tile_rows``)."""
     left, right = validation.resolve_window(features.get("causal", False), features.get("window_size", (-1, -1)))
     sinks = features.get("num_sink_tokens", 0)
     config = prefill.KernelConfig(head_dim=head_dim, has_left=left >= 0, has_right=right >= 0,
                                   has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.kv_tile_keys(head_dim)
+    tile_m, tile_n = module.q_tile_rows(config), module.kv_tile_keys(head_dim)
     m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
     scores = torch.zeros(tile_n, m_blocks * tile_m)
     tiles = torch.zeros(2 + 2 * m_blocks, dtype=torch.int32)
@@ -1521,7 +1515,7 @@ def check_deterministic_turns(module, features: dict, lengths: list[tuple[int, i
     sinks = features.get("num_sink_tokens", 0)
     config = prefill.KernelConfig(head_dim=head_dim, has_left=left >= 0, has_right=right >= 0,
                                   has_sink_tokens=left >= 0 and sinks > 0)
-    tile_m, tile_n = module.Q_TILE_ROWS[head_dim], module.kv_tile_keys(head_dim)
+    tile_m, tile_n = module.q_tile_rows(config), module.kv_tile_keys(head_dim)
     m_blocks = max(_tiles(s_q, tile_m) for s_q, _ in lengths)
     out = torch.zeros(3, m_blocks, dtype=torch.int32)
     for s_q, s_k in lengths:
@@ -1562,7 +1556,7 @@ def score_gradients(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, s: c
                     lse: cute.Tensor, d: cute.Tensor, scale_log2: Float32):
     """probabilities_and_score_gradients on every MMA thread's registers of ``head_dim``'s kernel: s [KV tile,
     Q tile] becomes P^T, dp dS^T."""
-    sdp_mma = sdp_tiled_mma(module, head_dim)
+    sdp_mma = backward_kernel(module, head_dim).tiled_mmas()[0]
     gradients = module.probabilities_and_score_gradients  # (a runtime loop may not carry the module)
     shape = tuple(s.shape)
     for thread in range(MMA_THREADS):
@@ -1585,7 +1579,8 @@ def check_score_gradients(module, head_dim: int = 64) -> None:
     """P^T = exp2(S^T scale log2(e) - LSE) and dS^T = P^T (dP^T - D) for each (key, row) of ``head_dim``'s tiles,
     against float64, with masked scores (-inf) and a row that sees nothing (LSE +inf)."""
     gen = torch.Generator().manual_seed(11)
-    tile_n, tile_m = module.kv_tile_keys(head_dim), module.Q_TILE_ROWS[head_dim]
+    kernel = backward_kernel(module, head_dim)
+    tile_n, tile_m = kernel.tile_n, kernel.tile_m
     s = torch.randn(tile_n, tile_m, generator=gen) * 3
     s[:, 5] = -math.inf
     s[7, :] = -math.inf
@@ -1612,41 +1607,42 @@ def check_score_gradients(module, head_dim: int = 64) -> None:
 
 
 @cute.jit
-def dq_store_positions(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, threads: cutlass.Constexpr,
+def dq_store_positions(module: cutlass.Constexpr, config: cutlass.Constexpr, threads: cutlass.Constexpr,
                        positions: cute.Tensor, coords: cute.Tensor):
     """For every thread of the dQ warpgroups and each of its dQ registers (the order it holds them): the float
     of a round's buffer the register goes to (``DQTile.store_copy`` on ``DQTile.layout``), and the (row,
     column) of the tile it holds (the dQ tiled MMA), which ``ConvertDQ`` writes it to."""
-    kernel = backward_kernel(module, head_dim)
+    kernel = backward_kernel(module, config.head_dim, config)
     dq_mma, store_copy, layout = kernel.tiled_mmas()[-1], kernel.dq.store_copy(), kernel.dq.layout()
-    tile = cute.make_identity_tensor((kernel.dq.tile_m, kernel.dq.columns))
+    tile = cute.make_identity_tensor(kernel.dq.shape)
     buffer = cute.make_identity_tensor(layout.shape)
     for thread in range(threads):
         held = dq_mma.get_slice(thread).partition_C(tile)
         stored = store_copy.get_slice(thread % 128).partition_D(buffer[None, thread // 128])
         for i in range(cute.size(held)):
             positions[thread, i] = layout(stored[i])
-            coords[thread, i, 0], coords[thread, i, 1] = held[i]
+            coords[thread, i, 0], coords[thread, i, 1] = held[i]  # (row, column), or (column, row) transposed
 
 
-def check_dq_stores(module, head_dim: int) -> None:
+def check_dq_stores(module, head_dim: int, causal: bool = False) -> None:
     """Stage 11's dQ stores, in the order the registers hold the values: every float of a round's buffer gets
     exactly one register and every (row, column) of the tile exactly one; a thread's stores are 16-byte
     vectors of its registers in order, each warpgroup's inside its part (the piece its reduce-add copies);
     and a quarter warp's vectors fill 128 contiguous bytes (one wavefront, no bank conflict)."""
-    kernel = backward_kernel(module, head_dim)
-    dq = kernel.dq
+    config = prefill.KernelConfig(head_dim=head_dim, has_right=causal)
+    dq = backward_kernel(module, head_dim, config).dq
     threads = 128 * dq.wgs
     per_thread = dq.part_floats // 128
     positions = torch.zeros(threads, per_thread, dtype=torch.int32)
     coords = torch.zeros(threads, per_thread, 2, dtype=torch.int32)
     args = (positions, coords)
-    compile_on_cpu(dq_store_positions, (module, head_dim, threads), args)(*args)
-    where = f"D = {head_dim}, Q tiles of {dq.tile_m} rows, {dq.columns} columns a round"
+    compile_on_cpu(dq_store_positions, (module, config, threads), args)(*args)
+    where = f"D = {head_dim}, Q tiles of {dq.tile_m} rows, {dq.columns} columns a round" + (", dQ^T" if dq.transposed
+                                                                                          else "")
     assert sorted(positions.flatten().tolist()) == list(range(dq.tile_m * dq.columns)), \
         f"{where}: the stores do not cover the buffer once each"
-    cells = {(int(r), int(c)) for r, c in coords.reshape(-1, 2).tolist()}
-    assert len(cells) == positions.numel() and all(0 <= r < dq.tile_m and 0 <= c < dq.columns for r, c in cells), \
+    cells = {(int(m), int(n)) for m, n in coords.reshape(-1, 2).tolist()}
+    assert len(cells) == positions.numel() and all(0 <= m < dq.shape[0] and 0 <= n < dq.shape[1] for m, n in cells), \
         f"{where}: the registers do not hold each (row, column) of the tile once"
     for thread in range(threads):
         part = range(thread // 128 * dq.part_floats, (thread // 128 + 1) * dq.part_floats)

@@ -83,18 +83,22 @@ def test_bad_backward_input_is_rejected_before_launch(stage, name):
 @pytest.mark.compiles
 @pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda dims: dims_id(*dims))
 def test_row_passes_cross_compile(stage, dims):
-    """The preprocess and postprocess kernels compile for sm_90a (fp16 one, bf16 the other), without spilling."""
+    """The preprocess and postprocess kernels compile for sm_90a (fp16 one, bf16 the other), without spilling;
+    the postprocess for each Q tile the head dim's kernels use (80 rows at D = 128 without a mask, else 64)."""
     from course.runtime.compile import cross_compile
 
     head_dim, head_dim_v = dims
+    tiles = sorted({stage.q_tile_rows(c) for c in stage.KERNEL_CONFIGS if c.head_dim == head_dim})
     for kernel, args in (backward.preprocess_kernel_and_args(stage.AttentionBackward, torch.float16, *dims),
-                         backward.postprocess_kernel_and_args(stage.AttentionBackward, torch.bfloat16, head_dim)):
+                         *(backward.postprocess_kernel_and_args(stage.AttentionBackward, torch.bfloat16, head_dim,
+                                                                tile_m) for tile_m in tiles)):
         report = cross_compile(kernel, *args, name=f"stage11_{type(kernel).__name__}_{dims_id(*dims)}")
         assert report.spill_bytes in (0, None), f"{report.name} spills {report.spill_bytes} bytes"
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("name", ["float16_d64_full", "bfloat16_d64_LRT", "float16_d64_L", "float16_d128_R",
+@pytest.mark.parametrize("name", ["float16_d64_full", "bfloat16_d64_LRT", "float16_d64_L", "bfloat16_d128_full",
+                                  "float16_d128_R",
                                   "bfloat16_d128_LRT", "float16_d80_full", "bfloat16_d96_LRT", "float16_d192_R",
                                   "bfloat16_d192v128_LRT", "float16_d256_full", "bfloat16_d256_LRT"])
 def test_deterministic_mode_cross_compiles(stage, name):
@@ -254,7 +258,7 @@ CPU_MASKS = {
 CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64), (64, 129), (3, 200), (400, 400), (200, 700)]
 
 
-TILINGS = {128: "q-tiles-64", 64: "q-tiles-128", 256: "kv-tiles-64"}
+TILINGS = {128: "q-tiles-64-or-80", 64: "q-tiles-128", 256: "kv-tiles-64"}
 
 
 @pytest.mark.compiles
@@ -262,8 +266,8 @@ TILINGS = {128: "q-tiles-64", 64: "q-tiles-128", 256: "kv-tiles-64"}
 @pytest.mark.parametrize("mask", list(CPU_MASKS))
 def test_on_cpu_m_block_range(stage, mask, head_dim):
     """KeyTileMask (exercise 11): the Q tiles a KV tile visits, and its mask, against the reference's visibility,
-    with the tiles of D = 128's kernel (64 rows, 128 keys), of D = 64's (128 rows) and of D = 256's (64 keys,
-    the warpgroups splitting the query rows)."""
+    with the tiles of D = 128's kernel (64 rows with a mask, 80 without; 128 keys), of D = 64's (128 rows) and of
+    D = 256's (64 keys, the warpgroups splitting the query rows)."""
     cpu_numerics.check_key_tile_masks(stage, CPU_MASKS[mask], CPU_LENGTHS, head_dim)
 
 
@@ -279,11 +283,13 @@ def test_on_cpu_deterministic_turns(stage, mask, rotate, head_dim):
 
 
 @pytest.mark.compiles
+@pytest.mark.parametrize("causal", [False, True], ids=["no-mask", "causal"])
 @pytest.mark.parametrize("head_dim", sorted({d for d, _ in HEAD_DIMS}))
-def test_on_cpu_dq_stores_cover_the_tile_once_without_bank_conflicts(stage, head_dim):
+def test_on_cpu_dq_stores_cover_the_tile_once_without_bank_conflicts(stage, head_dim, causal):
     """dQ's registers go to their part of the buffer, 16 bytes each, a quarter warp's in one wavefront, and
-    hold every (row, column) of the tile once: what ConvertDQ reads back."""
-    cpu_numerics.check_dq_stores(stage, head_dim)
+    hold every (row, column) of the tile once: what ConvertDQ reads back (dQ^T where the Q tile's rows are not a
+    multiple of 64: 80 at D = 128 without a mask)."""
+    cpu_numerics.check_dq_stores(stage, head_dim, causal)
 
 
 @pytest.mark.compiles

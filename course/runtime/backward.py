@@ -76,15 +76,16 @@ def preprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int, head_di
     return kernel_class.preprocess(head_dim, head_dim_v), (do, o, lse, lse2, d, dq_accum)
 
 
-def postprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int):
-    """The postprocess pass (``kernel_class.postprocess``: the float32 dQ sum to dQ) and its symbolic arguments."""
+def postprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int, tile_m: int):
+    """The postprocess pass (``kernel_class.postprocess``: the float32 dQ sum, in Q tiles of ``tile_m`` rows, to
+    dQ) and its symbolic arguments."""
     import cutlass
     import torch
 
     symbols: dict = {}
     dq_accum = symbolic_tensor(torch.float32, ("B", "H", "S_pad_D"), symbols=symbols, stride_divisibility=4)
     dq = symbolic_tensor(torch_dtype, ("B", "S", "H", head_dim), symbols=symbols)
-    return kernel_class.postprocess(head_dim), (dq_accum, dq, cutlass.Float32(1.0))
+    return kernel_class.postprocess(head_dim, tile_m), (dq_accum, dq, cutlass.Float32(1.0))
 
 
 def sink_gradient(sink_logits, lse, d):
@@ -133,12 +134,12 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     kernel = launch.compiled((kernel_class, config, deterministic),
                              lambda: (kernel_class(config, deterministic), fake_arguments(config)))
     key = (q.dtype, shape.head_dim)
+    tile_m = kernel_class.q_tile_rows(config)  # the kernel's Q tile: D, the LSE and dQ's sum are padded to whole ones
     pre = launch.compiled((kernel_class.preprocess, *key, shape.head_dim_v),
                           lambda: preprocess_kernel_and_args(kernel_class, *key, shape.head_dim_v))
-    post = launch.compiled((kernel_class.postprocess, *key),
-                           lambda: postprocess_kernel_and_args(kernel_class, *key))
+    post = launch.compiled((kernel_class.postprocess, *key, tile_m),
+                           lambda: postprocess_kernel_and_args(kernel_class, *key, tile_m))
     scale = validation.resolve_scale(softmax_scale, shape.head_dim)
-    tile_m = kernel_class.q_tile_rows[shape.head_dim]  # the kernel's Q tile: D and the LSE are padded to whole ones
     m_blocks = -(-shape.seqlen_q // tile_m)
     rows = (shape.batch, shape.heads_q, m_blocks * tile_m)
     device = q.device
