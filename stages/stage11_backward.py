@@ -524,6 +524,7 @@ class AttentionBackward:
         self.head_dim, self.head_dim_v = config.head_dim, config.dv
         self.tile_m = q_tile_rows(config)
         self.tile_n = kv_tile_keys(config.head_dim)
+        self.row_stage = -(-self.tile_m // 32) * 32  # sLSE's and sD's stages: TMA writes to 128-byte boundaries
         # Warpgroups along dK's and dV's columns (and S^T's query rows): with two, P^T and dS^T go through
         # shared memory to both (KEY_WARPGROUPS)
         self.column_wgs = MMA_WGS // KEY_WARPGROUPS[config.head_dim]
@@ -603,8 +604,8 @@ class AttentionBackward:
             kv_bars: cute.struct.MemRange[cutlass.Int64, 2]
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
             do_bars: cute.struct.MemRange[cutlass.Int64, 2 * DO_STAGES[self.head_dim]]
-            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * Q_STAGES], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_m * Q_STAGES], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.row_stage * Q_STAGES], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.row_stage * Q_STAGES], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -676,7 +677,7 @@ class AttentionBackward:
         swizzled = tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
             (storage.sQ, sQ_layout), (storage.sdO, sdO_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
             (storage.sdS, sdS_layout)))
-        rows = cute.make_layout((self.tile_m, Q_STAGES))
+        rows = cute.make_layout((self.tile_m, Q_STAGES), stride=(1, self.row_stage))
         return swizzled + (storage.sdQ.get_tensor(sdQ_layout), storage.sLSE.get_tensor(rows),
                            storage.sD.get_tensor(rows))
 
