@@ -161,9 +161,10 @@ def launch_stage(number: int) -> None:
     elif stage.kind == "backward":  # the forward runs too: the sanitizer checks both
         # D = 96: narrower swizzles (swizzle_span); D = 80: dQ on one warpgroup; both: several pieces per row thread.
         # From 192 the warpgroups split the columns (P^T through shared memory); at 256, dQ in two rounds and one
-        # dO buffer released early; (192, 128): V and dO narrower than Q and K.
+        # dO buffer released early; (192, 128): V and dO narrower than Q and K; D = 128 unmasked: 80-row Q tiles
+        # and dQ^T.
         for (head_dim, head_dim_v), options in (
-                ((64, 64), {"causal": True}),
+                ((64, 64), {"causal": True}), ((128, 128), {}),
                 ((128, 128), {"window_size": (100, 10), "num_sink_tokens": 3,
                               "sink_logits": torch.linspace(-1, 1, 4, device="cuda")}),
                 ((96, 96), {"causal": True}), ((80, 80), {"window_size": (100, 10)}), ((192, 192), {"causal": True}),
