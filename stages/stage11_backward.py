@@ -78,7 +78,8 @@ STAGE = 11
 Q_TILE_ROWS = {64: 128, 80: 64, 96: 64, 128: 64, 192: 64, 256: 64}
 # Without a mask, D = 128 takes 80 rows (FlashAttention-3's and -4's choice): a fifth fewer steps per KV tile, and
 # S^T, dP^T, dV and dK grow from N or K = 64 to 80. 80 is not a multiple of the WGMMA's 64-row M, so dQ is
-# computed transposed (DQTile). With a mask, the diagonal tiles' idle rows would cost more than the steps save.
+# computed transposed (DQTile). With a mask they keep 64, as the diagonal tiles would carry more idle rows (not
+# measured here).
 UNMASKED_Q_TILE_ROWS = {128: 80}
 
 
@@ -194,7 +195,7 @@ def bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int, 
 
 # --8<-- [start:dq_tile]
 class DQTile:
-    """How one step's dQ = dS K is shared out and where its float32 values go.
+    """How one step's dQ = dS K (or dQ^T = K^T dS^T, ``transposed``) is shared out and where its float32 values go.
 
     Each dQ warpgroup computes a part of the (tile_m, D) tile (``parts``: by rows where the Q tile has 64
     rows per warpgroup, else by columns), over ``DQ_ROUNDS`` rounds of ``columns`` columns. A thread
