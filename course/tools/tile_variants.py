@@ -2,6 +2,7 @@
 
     python -m course.tools.tile_variants --out docs/results   # Hopper GPU: stage08-tilings.json and the tables
     python -m course.tools.tile_variants --only wide --out docs/results   # the wide head dims' section again
+    python -m course.tools.tile_variants --only d128 --out docs/results/h200   # D = 128's wider tiles
     python -m course.tools.tile_variants --render             # stage08-tilings.json -> the tables, on any machine
 
 Each variant is stage 8's kernel compiled with a forced ``Tiles`` (``Attention.forced_tiles``: MMA
@@ -31,13 +32,17 @@ VARIANTS = {
         (96, 96): [(2, 128), (2, 160), (3, 80), (3, 96), (3, 128, P_IN_SMEM), (3, 144, P_IN_SMEM, O_IN_Q),
                    (3, 160, P_IN_SMEM, O_IN_Q)],
     },
+    "d128 tilings": {  # 128 keys against FlashAttention-3's 176 without a mask, the wider ones with O in Q
+        (128, 128): [(2, 128), (2, 128, O_IN_Q), (2, 160, O_IN_Q), (2, 176, O_IN_Q)],
+    },
     "wide head dims": {  # the widest tile with O buffers of its own, then narrower and wider ones with O in Q
         (192, 128): [(2, 112), (2, 96, O_IN_Q), (2, 128, O_IN_Q)],
         (192, 192): [(2, 80), (2, 96, O_IN_Q), (2, 112, O_IN_Q)],
         (256, 256): [(2, 48), (2, 64, O_IN_Q), (2, 80, O_IN_Q)],
     },
 }
-TABLES = {"tilings": "stage08-tilings.md", "wide head dims": "stage08-tilings-wide.md"}
+TABLES = {"tilings": "stage08-tilings.md", "d128 tilings": "stage08-tilings-128.md",
+          "wide head dims": "stage08-tilings-wide.md"}
 
 
 def section_shapes(section: str) -> list[PrefillShape]:
@@ -131,8 +136,10 @@ def table(results: dict, section: str = "tilings") -> str:
 
 
 def write_tables(results: dict, out_dir: Path) -> None:
+    """The tables of the sections in ``results`` (another GPU's folder may hold only some of them)."""
     for section, name in TABLES.items():
-        (Path(out_dir) / name).write_text(table(results, section))
+        if section in results:
+            (Path(out_dir) / name).write_text(table(results, section))
 
 
 SECTIONS = {section: partial(timed_rows, section=section) for section in VARIANTS}
