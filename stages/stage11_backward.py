@@ -606,7 +606,7 @@ class AttentionBackward:
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
             do_bars: cute.struct.MemRange[cutlass.Int64, 2 * DO_STAGES[self.head_dim]]
             sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.row_stage * Q_STAGES], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.row_stage * Q_STAGES], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.row_stage * DO_STAGES[self.head_dim]], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -674,13 +674,15 @@ class AttentionBackward:
         return n_block, head_kv, batch
 
     def shared_tensors(self, storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
-        """sQ, sdO, sK, sV, sdS with their swizzled layouts, sdQ, then sLSE and sD as (tile_m, Q_STAGES)."""
+        """sQ, sdO, sK, sV, sdS with their swizzled layouts, sdQ, then sLSE and sD as (tile_m, stages): Q's
+        and dO's, whose rings they ride in."""
         swizzled = tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
             (storage.sQ, sQ_layout), (storage.sdO, sdO_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
             (storage.sdS, sdS_layout)))
-        rows = cute.make_layout((self.tile_m, Q_STAGES), stride=(1, self.row_stage))
-        return swizzled + (storage.sdQ.get_tensor(sdQ_layout), storage.sLSE.get_tensor(rows),
-                           storage.sD.get_tensor(rows))
+        lse_rows, d_rows = (cute.make_layout((self.tile_m, stages), stride=(1, self.row_stage))
+                            for stages in (Q_STAGES, DO_STAGES[self.head_dim]))
+        return swizzled + (storage.sdQ.get_tensor(sdQ_layout), storage.sLSE.get_tensor(lse_rows),
+                           storage.sD.get_tensor(d_rows))
 
     def make_pipelines(self, storage):
         """K and V (once per CTA), Q with its LSE and dO with its D (rings of Q_STAGES and DO_STAGES)."""
