@@ -599,14 +599,15 @@ class AttentionBackward:
     @cute.jit
     def define_shared_storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
         dtype = self.dtype
+        sLSE_layout, sD_layout = self.row_layouts()
 
         @cute.struct
         class SharedStorage:
             kv_bars: cute.struct.MemRange[cutlass.Int64, 2]
             q_bars: cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES]
             do_bars: cute.struct.MemRange[cutlass.Int64, 2 * DO_STAGES[self.head_dim]]
-            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.row_stage * Q_STAGES], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.row_stage * DO_STAGES[self.head_dim]], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sLSE_layout)], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sD_layout)], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -674,15 +675,18 @@ class AttentionBackward:
         return n_block, head_kv, batch
 
     def shared_tensors(self, storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
-        """sQ, sdO, sK, sV, sdS with their swizzled layouts, sdQ, then sLSE and sD as (tile_m, stages): Q's
-        and dO's, whose rings they ride in."""
+        """sQ, sdO, sK, sV, sdS with their swizzled layouts, sdQ, then sLSE and sD (``row_layouts``)."""
         swizzled = tuple(buffer.get_tensor(layout.outer, swizzle=layout.inner) for buffer, layout in (
             (storage.sQ, sQ_layout), (storage.sdO, sdO_layout), (storage.sK, sK_layout), (storage.sV, sV_layout),
             (storage.sdS, sdS_layout)))
-        lse_rows, d_rows = (cute.make_layout((self.tile_m, stages), stride=(1, self.row_stage))
-                            for stages in (Q_STAGES, DO_STAGES[self.head_dim]))
-        return swizzled + (storage.sdQ.get_tensor(sdQ_layout), storage.sLSE.get_tensor(lse_rows),
-                           storage.sD.get_tensor(d_rows))
+        sLSE_layout, sD_layout = self.row_layouts()
+        return swizzled + (storage.sdQ.get_tensor(sdQ_layout), storage.sLSE.get_tensor(sLSE_layout),
+                           storage.sD.get_tensor(sD_layout))
+
+    def row_layouts(self):
+        """sLSE and sD as (tile_m, stages): a float per row, in Q's ring and dO's, whose tiles they ride with."""
+        return tuple(cute.make_layout((self.tile_m, stages), stride=(1, self.row_stage))
+                     for stages in (Q_STAGES, DO_STAGES[self.head_dim]))
 
     def make_pipelines(self, storage):
         """K and V (once per CTA), Q with its LSE and dO with its D (rings of Q_STAGES and DO_STAGES)."""
