@@ -23,8 +23,9 @@ FlashAttention-2's algorithm, laid out for Hopper as FlashAttention-3 does:
        dQ   = dS K             (added into a float32 dQ in global memory)
    The first two products are computed transposed (K, V are the A operand)
    so that P^T and dS^T land in registers as the A operand of the next two
-   (from D = 192, where the warpgroups split the columns instead of the keys,
-   through shared memory: KEY_WARPGROUPS). dQ needs dS itself, with the Q tile's rows
+   (from D = 192, where a warpgroup has fewer keys than a WGMMA's M, the
+   other way round: S = Q K^T, dV^T = dO^T P, dK^T = Q^T dS, with P and dS
+   through shared memory; KV_TILE_KEYS). dQ needs dS itself, with the Q tile's rows
    as M: dS^T goes to shared memory once, and dQ reads it through a
    transposed view. Q and dO are each read in two orientations (K-major for
    S and dP, M-major for dK and dV); one swizzled layout serves both.
@@ -89,14 +90,18 @@ def q_tile_rows(config) -> int:
     return Q_TILE_ROWS[config.head_dim] if masked else UNMASKED_Q_TILE_ROWS.get(config.head_dim,
                                                                                  Q_TILE_ROWS[config.head_dim])
 # --8<-- [end:q_tile_rows]
-# --8<-- [start:key_warpgroups]
-# MMA warpgroups along the KV tile's keys, 64 keys each (the M of S^T, dK and dV). Up to D = 128 each warpgroup
-# owns 64 keys and all of their columns. From D = 192 a warpgroup's float32 dK and dV of 64 keys would take
-# 2 x D registers a thread, more than it has: a CTA takes 64 keys, and the two warpgroups split the columns of
-# dK and dV, and the query rows of S^T and dP^T. P^T and dS^T then go through shared memory, since each
-# warpgroup's dV and dK need every query row's.
-KEY_WARPGROUPS = {64: 2, 80: 2, 96: 2, 128: 2, 192: 1, 256: 1}
-# --8<-- [end:key_warpgroups]
+# --8<-- [start:kv_tile_keys]
+# Keys per CTA (its KV tile), per head dim; each MMA warpgroup owns half of them, with their dK and dV. Up to
+# D = 128 a warpgroup takes 64 keys, the M of S^T = K Q^T, dK and dV, and P^T and dS^T stay in its registers as
+# the A operands of dV and dK. From D = 192 float32 dK and dV of 64 keys would take 2 x D registers a thread,
+# more than it has: a warpgroup takes fewer keys (48 at 192, 32 at 256), below the WGMMA's M of 64, so the
+# products turn around (``keys_as_m``): S = Q K^T and dP = dO V^T with the keys as N, dV^T = dO^T P and
+# dK^T = Q^T dS with the head dim as M. P and dS, the B operands of the last two, go through shared memory.
+KV_TILE_KEYS = {64: 128, 80: 128, 96: 128, 128: 128, 192: 96, 256: 64}
+# Buffers of P and of dS where they go through shared memory (keys_as_m false), by (D, D_v): two where they fit.
+# With one, a warpgroup waits at each step until the other is done with the last step's (DS_EMPTY).
+DS_STAGES = {(192, 192): 1, (192, 128): 2, (256, 256): 2}
+# --8<-- [end:kv_tile_keys]
 Q_STAGES = 2   # buffers of Q (with its LSE), and of dO (with its D) up to D = 128: the producer runs two steps ahead
 # --8<-- [start:wide_buffers]
 # From D = 192 dO gets one buffer: the producer loads the next step's once this step's dV product has read it (at
@@ -113,8 +118,14 @@ MMA_WGS = 2
 
 
 def kv_tile_keys(head_dim: int) -> int:
-    """Keys per CTA: 64 per warpgroup along the keys (``KEY_WARPGROUPS``)."""
-    return 64 * KEY_WARPGROUPS[head_dim]
+    """Keys per CTA (``KV_TILE_KEYS``)."""
+    return KV_TILE_KEYS[head_dim]
+
+
+def keys_as_m(head_dim: int) -> bool:
+    """Whether a warpgroup's keys are a whole M of the WGMMA (64): then S^T, dP^T, dV and dK have the keys as
+    M; else S, dP, dV^T and dK^T have them as N."""
+    return kv_tile_keys(head_dim) // MMA_WGS % 64 == 0
 
 
 # --8<-- [start:swizzle_span]
@@ -142,6 +153,7 @@ class Barrier(IntEnum):
     DQ_EMPTY = 2                 # the dQ warp's last reduce-add of this warpgroup's part has read it
     DQ_FULL = DQ_EMPTY + MMA_WGS  # this warpgroup's part of dQ is in shared memory
     EPILOGUE = DQ_FULL + MMA_WGS
+    DS_EMPTY = EPILOGUE + 1       # with one dS buffer (keys_as_m false): both warpgroups' last step is done
 
 
 DQ_PART_THREADS = 128 + 32  # DQ_EMPTY and DQ_FULL: a warpgroup and the dQ warp
@@ -251,6 +263,23 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
 
 
+def keys_by_rows(t: cute.Tensor, keys_as_m: bool) -> cute.Tensor:
+    """A thread's registers of S^T, or of S (``keys_as_m`` false), or their coordinates, as (keys, query rows)."""
+    view = rows_cols_view(t)
+    return view if keys_as_m else transposed(view)
+
+
+def smem_operand(thr_mma, t: cute.Tensor, as_b: bool) -> cute.Tensor:
+    """WGMMA descriptors of shared-memory tensor ``t`` as ``thr_mma``'s A operand, or B with ``as_b``."""
+    return thr_mma.make_fragment_B(thr_mma.partition_B(t)) if as_b else thr_mma.make_fragment_A(thr_mma.partition_A(t))
+
+
+def score_coordinates(thr_sdp, tile_n: int, tile_m: int, keys_as_m: bool) -> cute.Tensor:
+    """The (key, row) of each of a thread's S^T (or S) registers."""
+    keys_rows = cute.make_identity_tensor((tile_n, tile_m))
+    return thr_sdp.partition_C(keys_rows if keys_as_m else transposed(keys_rows))
+
+
 # --8<-- [start:mask]
 class KeyTileMask(WindowMask):
     """Stage 8's window rules seen from a KV tile: which Q tiles see it, and -inf in S^T elsewhere.
@@ -351,10 +380,9 @@ class KeyTileMask(WindowMask):
         return earlier + (n - 1 - self.n_block) // m
 
     @cute.jit
-    def apply_transposed(self, acc_St: cute.Tensor, tStcSt: cute.Tensor, m_block: cutlass.Int32):
-        """S^T to -inf where a query row may not see a key: registers hold (key, row) pairs."""
-        s = rows_cols_view(acc_St)
-        coord = rows_cols_view(tStcSt)
+    def apply_by_key(self, s: cute.Tensor, coord: cute.Tensor, m_block: cutlass.Int32):
+        """Scores to -inf where a query row may not see a key: ``s`` is S^T's or S's registers as (keys, query
+        rows), ``coord`` their (key, row) (``keys_by_rows``)."""
         row0 = m_block * self.tile_m
         # a column (query row) at a time: its bounds are used by its few keys at once, then dead
         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
@@ -373,19 +401,20 @@ class KeyTileMask(WindowMask):
 
 # --8<-- [start:gradients]
 @cute.jit
-def probabilities_and_score_gradients(acc_St: cute.Tensor, acc_dPt: cute.Tensor, tStcSt: cute.Tensor,
+def probabilities_and_score_gradients(p: cute.Tensor, dp: cute.Tensor, coord: cute.Tensor,
                                       sLSE: cute.Tensor, sD: cute.Tensor, scale_log2: cutlass.Float32):
-    """P^T = exp2(S^T scale_log2 - LSE_log2) into acc_St, then dS^T = P^T (dP^T - D) into acc_dPt.
+    """P^T = exp2(S^T scale_log2 - LSE_log2) into p, then dS^T = P^T (dP^T - D) into dp.
 
-    Columns are query rows: each column's LSE (log2 domain, +inf for a row
-    that saw nothing) and D come from shared memory. The caller has waited for
-    both products.
+    ``p`` and ``dp`` are the registers of S^T (or S) and dP^T (or dP) as
+    (keys, query rows), ``coord`` their (key, row): each column's LSE (log2
+    domain, +inf for a row that saw nothing) and D come from shared memory.
+    The caller has waited for both products.
     """
-    # TODO(stage 11): Every register of acc_St becomes P^T = exp2(S^T * scale_log2 - LSE) and every
-    #   register of acc_dPt becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and
+    # TODO(stage 11): Every register of p becomes P^T = exp2(S^T * scale_log2 - LSE) and every
+    #   register of dp becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and
     #   sD hold the Q tile's rows. The kernel has no registers to spare: a spill fails the check.
     #   (stage 11 page: The gradient of a softmax)
-    raise NotImplementedError("TODO(stage 11) in probabilities_and_score_gradients(): Every register of acc_St becomes P^T = exp2(S^T * scale_log2 - LSE) and every register of acc_dPt becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and sD hold the Q tile's rows. The kernel has no registers to spare: a spill fails the check. (stage 11 page: The gradient of a softmax) Hints, one at a time: python -m course hint 11 (docs/stages/11-backward.md as raw markdown shows them all at once)")
+    raise NotImplementedError("TODO(stage 11) in probabilities_and_score_gradients(): Every register of p becomes P^T = exp2(S^T * scale_log2 - LSE) and every register of dp becomes dS^T = P^T * (dP^T - D), for its own (key, query row) pair; sLSE and sD hold the Q tile's rows. The kernel has no registers to spare: a spill fails the check. (stage 11 page: The gradient of a softmax) Hints, one at a time: python -m course hint 11 (docs/stages/11-backward.md as raw markdown shows them all at once)")
 # --8<-- [end:gradients]
 
 
@@ -526,10 +555,10 @@ class AttentionBackward:
         self.tile_m = q_tile_rows(config)
         self.tile_n = kv_tile_keys(config.head_dim)
         self.row_stage = -(-self.tile_m // 32) * 32  # sLSE's and sD's stages: TMA writes to 128-byte boundaries
-        # Warpgroups along dK's and dV's columns (and S^T's query rows): with two, P^T and dS^T go through
-        # shared memory to both (KEY_WARPGROUPS)
-        self.column_wgs = MMA_WGS // KEY_WARPGROUPS[config.head_dim]
-        self.p_in_registers = self.column_wgs == 1
+        # S^T with the keys as M, P^T and dS^T in registers; or S, with P and dS through shared memory (KV_TILE_KEYS)
+        self.keys_as_m = keys_as_m(config.head_dim)
+        self.score_shape = (self.tile_n, self.tile_m) if self.keys_as_m else (self.tile_m, self.tile_n)
+        self.ds_stages = Q_STAGES if self.keys_as_m else DS_STAGES[config.head_dim, config.dv]  # of dS (and of P)
         self.dq = DQTile(config.head_dim, self.tile_m)
         assert not (LATE_DQ_HANDOFF[config.head_dim] and self.dq.rounds > 1), "dK's wait comes in round 0"
         self.mma_threads = 128 * MMA_WGS
@@ -570,30 +599,40 @@ class AttentionBackward:
                  min_blocks_per_mp=1)  # a register count at entry: without one ptxas may ignore setmaxnreg (C7508)
 
     def tiled_mmas(self):
-        """(S^T = K Q^T and dP^T = V dO^T; dV += P^T dO; dK += dS^T Q; dQ = dS K) as tiled WGMMAs."""
-        dtype, d, dv, parts = self.dtype, self.head_dim, self.head_dim_v, self.column_wgs
-        # Warpgroup w owns keys [64 w, 64 w + 64) of the KV tile in the first four products, or, with the
-        # columns split (KEY_WARPGROUPS), query rows of S^T and dP^T and columns of dV and dK.
-        sdp_mma = sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32, (MMA_WGS // parts, parts, 1),
-            (64, self.tile_m // parts))
-        # P^T and dS^T from registers (or shared memory); dO and Q read M/N-major (head_dim contiguous).
-        source = warpgroup.OperandSource.RMEM if self.p_in_registers else warpgroup.OperandSource.SMEM
-        dv_mma, dk_mma = (sm90_utils.make_trivial_tiled_mma(
-            dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32, (MMA_WGS // parts, parts, 1),
-            (64, n // parts), source) for n in (dv, d))
+        """(S^T = K Q^T and dP^T = V dO^T; dV += P^T dO; dK += dS^T Q; dQ = dS K) as tiled WGMMAs, or with the
+        keys as N (``keys_as_m`` false): (S = Q K^T and dP = dO V^T; dV^T += dO^T P; dK^T += Q^T dS; dQ)."""
+        dtype, d, dv, wg_keys = self.dtype, self.head_dim, self.head_dim_v, self.tile_n // MMA_WGS
+        # Warpgroup w owns keys [wg_keys w, wg_keys (w + 1)) of the KV tile in S^T and dP^T (S and dP), and up to
+        # D = 128 in dV and dK.
+        k_major, mn_major = OperandMajorMode.K, OperandMajorMode.MN
+        if cutlass.const_expr(self.keys_as_m):
+            sdp_mma = sm90_utils.make_trivial_tiled_mma(dtype, dtype, k_major, k_major, cutlass.Float32,
+                                                        (MMA_WGS, 1, 1), (64, self.tile_m))
+            # P^T and dS^T from registers; dO and Q read M/N-major (head_dim contiguous)
+            dv_mma, dk_mma = (sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, k_major, mn_major, cutlass.Float32, (MMA_WGS, 1, 1), (64, n),
+                warpgroup.OperandSource.RMEM) for n in (dv, d))
+        else:
+            sdp_mma = sm90_utils.make_trivial_tiled_mma(dtype, dtype, k_major, k_major, cutlass.Float32,
+                                                        (1, MMA_WGS, 1), (64, wg_keys))
+            # dO^T and Q^T read M/N-major (head_dim contiguous), P and dS K-major (the query rows contiguous). The
+            # warpgroups split the head dim (the M) where its halves are whole WGMMAs, else the keys.
+            dv_mma, dk_mma = (sm90_utils.make_trivial_tiled_mma(
+                dtype, dtype, mn_major, k_major, cutlass.Float32,
+                *(((MMA_WGS, 1, 1), (64, self.tile_n)) if n // MMA_WGS % 64 == 0 else ((1, MMA_WGS, 1), (64, wg_keys))))
+                for n in (dv, d))
         return sdp_mma, dv_mma, dk_mma, self.dq.tiled_mma(dtype)
 
     def smem_layouts(self):
-        """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ, a buffer per Q buffer; P^T's after them
-        when it goes through shared memory); and dQ's float32 round (``DQTile``, not swizzled)."""
-        dtype, d, dv, parts = self.dtype, self.head_dim, self.head_dim_v, self.column_wgs
-        # Q and dO: K-major for S^T and dP^T, each warpgroup's columns of them an M/N-major operand of dK, dV
-        sQ_layout, sdO_layout = (rows_layout(dtype, (self.tile_m, n, stages), span=n // parts)
+        """Swizzled layouts: Q and dO rings, K and V, dS (M-major for dQ: a buffer per Q buffer, or with the keys
+        as N one, then P's); and dQ's float32 round (``DQTile``, not swizzled)."""
+        dtype, d, dv = self.dtype, self.head_dim, self.head_dim_v
+        # Q and dO: K-major for S^T and dP^T (S, dP), an M/N-major operand of dK and dV (dK^T, dV^T)
+        sQ_layout, sdO_layout = (rows_layout(dtype, (self.tile_m, n, stages), span=n)
                                  for n, stages in ((d, Q_STAGES), (dv, DO_STAGES[d])))
         sK_layout, sV_layout = rows_layout(dtype, (self.tile_n, d)), rows_layout(dtype, (self.tile_n, dv))
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (self.tile_m, d, self.tile_n), dtype,
-                                                   Q_STAGES * (1 if self.p_in_registers else 2))
+                                                   self.ds_stages * (1 if self.keys_as_m else 2))
         return sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, self.dq.layout()
 
     @cute.jit
@@ -829,52 +868,54 @@ class AttentionBackward:
         wg_thread0 = mma_wg * 128
         thr_sdp = sdp_mma.get_slice(mma_tidx)
         thr_sdp_wg = sdp_mma.get_slice(wg_thread0)
-        tSrK = thr_sdp_wg.make_fragment_A(thr_sdp_wg.partition_A(sK))
-        tSrV = thr_sdp_wg.make_fragment_A(thr_sdp_wg.partition_A(sV))
-        tSrQ = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sQ))    # (MMA, N, K, Q_STAGES)
-        tSrdO = thr_sdp_wg.make_fragment_B(thr_sdp_wg.partition_B(sdO))
-        acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
-        acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
-        tStcSt = thr_sdp.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        # K and V the A operands of S^T and dP^T, Q and dO (MMA, N, K, stages) the B ones; or the other way round
+        tSrK, tSrV = (smem_operand(thr_sdp_wg, t, not self.keys_as_m) for t in (sK, sV))
+        tSrQ, tSrdO = (smem_operand(thr_sdp_wg, t, self.keys_as_m) for t in (sQ, sdO))
+        acc_St = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C(self.score_shape))
+        acc_dPt = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C(self.score_shape))
+        tStcSt = score_coordinates(thr_sdp, self.tile_n, self.tile_m, self.keys_as_m)
         # dS^T (and P^T) into the rows-contiguous dS buffers by stmatrix: per instruction four 8x8 blocks, 16 bytes
-        # a lane.
-        ds_store = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, cutlass.Float32)
+        # a lane; dS and P (the keys as N) by the transposing stmatrix.
+        ds_store = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR if self.keys_as_m else LayoutEnum.COL_MAJOR,
+                                                self.dtype, cutlass.Float32)
         thr_ds = cute.make_tiled_copy_C(ds_store, sdp_mma).get_slice(mma_tidx)
-        tdSsdS = thr_ds.partition_D(transposed(sdS))                 # (CPY, CPY_M, CPY_N, buffers)
+        tdSsdS = thr_ds.partition_D(transposed(sdS) if self.keys_as_m else sdS)  # (CPY, CPY_M, CPY_N, buffers)
         thr_dv, thr_dk = dv_mma.get_slice(mma_tidx), dk_mma.get_slice(mma_tidx)
         thr_dv_wg, thr_dk_wg = dv_mma.get_slice(wg_thread0), dk_mma.get_slice(wg_thread0)
-        tdVrdO = thr_dv_wg.make_fragment_B(thr_dv_wg.partition_B(transposed(sdO)))  # dO^T: (N = dv, K = rows)
-        tdKrQ = thr_dk_wg.make_fragment_B(thr_dk_wg.partition_B(transposed(sQ)))
-        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.head_dim_v)))
-        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, d)))
+        # dO^T and Q^T: (head_dim, rows); the B operands of dV and dK, or the A operands of dV^T and dK^T
+        tdVrdO = smem_operand(thr_dv_wg, transposed(sdO), self.keys_as_m)
+        tdKrQ = smem_operand(thr_dk_wg, transposed(sQ), self.keys_as_m)
+        dv_shape, dk_shape = (self.tile_n, self.head_dim_v), (self.tile_n, d)
+        if cutlass.const_expr(not self.keys_as_m):
+            dv_shape, dk_shape = (self.head_dim_v, self.tile_n), (d, self.tile_n)
+        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C(dv_shape))
+        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C(dk_shape))
         dq = self.dq
         dq_threads = 128 * dq.wgs
         computes_dq = mma_tidx < dq_threads if dq.wgs < MMA_WGS else True  # every warpgroup, or the first
         thr_dq = dq_mma.get_slice(mma_tidx % dq_threads)
         thr_dq_wg = dq_mma.get_slice(wg_thread0 % dq_threads)
-        # dS: (rows, K = keys, Q_STAGES); K^T: (dQ's columns of a round, K = keys), per round. dQ = dS K takes dS
+        # dS: (rows, K = keys, buffers); K^T: (dQ's columns of a round, K = keys), per round. dQ = dS K takes dS
         # as A, K^T as B; dQ^T = K^T dS^T the other way round.
-        operand_a = lambda t: thr_dq_wg.make_fragment_A(thr_dq_wg.partition_A(t))  # noqa: E731
-        operand_b = lambda t: thr_dq_wg.make_fragment_B(thr_dq_wg.partition_B(t))  # noqa: E731
-        ds_operand, k_operand = (operand_b, operand_a) if dq.transposed else (operand_a, operand_b)
-        tdQrdS = ds_operand(sdS)
-        tdQrK = [k_operand(cute.local_tile(transposed(sK), (dq.columns, self.tile_n), (dq_round, 0)))
-                 for dq_round in range(dq.rounds)]
+        ds_is_b = dq.transposed
+        tdQrdS = smem_operand(thr_dq_wg, sdS, ds_is_b)
+        tdQrK = [smem_operand(thr_dq_wg, cute.local_tile(transposed(sK), (dq.columns, self.tile_n), (dq_round, 0)),
+                         not ds_is_b) for dq_round in range(dq.rounds)]
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq.shape))
         # this warpgroup's part (a warp-uniform index: the part's address is computed once, in uniform registers)
         tdQsdQ = dq.store_copy().get_slice(mma_tidx % 128).partition_D(sdQ[None, mma_wg % dq.wgs])
         tdQrdQ = cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape))  # in the order held
-        # P^T and dS^T in 16 bits, in the registers' order of S^T (stage 8's P): the A operands of dV and dK, or
-        # stored for them (with the columns split, their A operands are the whole tiles, in shared memory)
+        # P^T and dS^T in 16 bits, in the registers' order of S^T (stage 8's P): the A operands of dV and dK; or P
+        # and dS stored for dV^T and dK^T, which read them as (keys, rows): dS's ds_stages buffers, then P's
         rP = cute.make_rmem_tensor_like(acc_St, self.dtype)
         rdS = cute.make_rmem_tensor_like(acc_dPt, self.dtype)
         tdSrP, tdSrdS = thr_ds.retile(rP), thr_ds.retile(rdS)
-        if cutlass.const_expr(self.p_in_registers):
+        if cutlass.const_expr(self.keys_as_m):
             tdVrP = cute.make_tensor(rP.iterator, acc_layout_as_operand_a(rP.layout))
             tdKrdS = cute.make_tensor(rdS.iterator, acc_layout_as_operand_a(rdS.layout))
         else:
-            tdVrP = thr_dv_wg.make_fragment_A(thr_dv_wg.partition_A(transposed(sdS)))  # (MMA, M, K, buffers)
-            tdKrdS = thr_dk_wg.make_fragment_A(thr_dk_wg.partition_A(transposed(sdS)))
+            tdVrP = smem_operand(thr_dv_wg, transposed(sdS), True)  # (MMA, N, K, buffers)
+            tdKrdS = smem_operand(thr_dk_wg, transposed(sdS), True)
 
         mask = self.key_tile_mask(n_block, seqlen_q, seqlen_k, window_left, window_right, num_sink_tokens, rotate)
         m_block_min, m_block_max = mask.m_block_range()
@@ -886,45 +927,54 @@ class AttentionBackward:
         acc_dV.fill(0.0)
         pipeline_kv.consumer_wait(kv_state)
         tile_is_partial = mask.tile_is_partial
-        apply_mask = mask.apply_transposed
+        apply_mask = mask.apply_by_key
         q_tile = mask.q_tile
+        s_by_key, dp_by_key, coord_by_key = (keys_by_rows(t, self.keys_as_m) for t in (acc_St, acc_dPt, tStcSt))
         for step in cutlass.range(group * n_m, unroll=1):
             m_block = q_tile(step % n_m, m_block_min, n_m)
             q, o = q_state.index, do_state.index
             pipeline_q.consumer_wait(q_state)
-            warpgroup_gemm(sdp_mma, acc_St, tSrK, tSrQ[None, None, None, q])
+            self.scores_product(sdp_mma, acc_St, tSrK, tSrQ[None, None, None, q])
             pipeline_do.consumer_wait(do_state)
-            warpgroup_gemm(sdp_mma, acc_dPt, tSrV, tSrdO[None, None, None, o])
+            self.scores_product(sdp_mma, acc_dPt, tSrV, tSrdO[None, None, None, o])
             warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
             if tile_is_partial(m_block):
-                apply_mask(acc_St, tStcSt, m_block)
+                apply_mask(s_by_key, coord_by_key, m_block)
             warpgroup.wait_group(0)
-            probabilities_and_score_gradients(acc_St, acc_dPt, tStcSt, sLSE[None, q], sD[None, o], scale_log2)
+            probabilities_and_score_gradients(s_by_key, dp_by_key, coord_by_key, sLSE[None, q], sD[None, o],
+                                              scale_log2)
             rP.store(acc_St.load().to(self.dtype))
             rdS.store(acc_dPt.load().to(self.dtype))
-            # dS^T (and P^T) to shared memory, the buffer of Q's (P^T's Q_STAGES on): its last readers, both
-            # warpgroups' MMAs two steps back, were complete before the other warpgroup reached the last step's
-            # DS_READY.
-            if cutlass.const_expr(self.p_in_registers):
+            # dS^T (or P and dS) to shared memory, in the buffer of Q's: its last readers, both warpgroups' MMAs
+            # two steps back, were complete before the other warpgroup reached the last step's DS_READY. With one
+            # buffer each (DS_STAGES), the last step's: both warpgroups must have passed its end.
+            ds = q if cutlass.const_expr(self.ds_stages == Q_STAGES) else 0
+            if cutlass.const_expr(self.keys_as_m):
                 dS_t = tdKrdS
                 warpgroup_gemm(dv_mma, acc_dV, tdVrP, tdVrdO[None, None, None, o], zero_init=False)
-            else:
+                cute.copy(ds_store, tdSrdS, ring_buffer(tdSsdS, q))
+            elif cutlass.const_expr(self.ds_stages == Q_STAGES):
                 dS_t = tdKrdS[None, None, None, q]
                 cute.copy(ds_store, tdSrP, ring_buffer(tdSsdS, Q_STAGES + q))
-            cute.copy(ds_store, tdSrdS, ring_buffer(tdSsdS, q))
+                cute.copy(ds_store, tdSrdS, ring_buffer(tdSsdS, q))
+            else:
+                dS_t = tdKrdS[None, None, None, 0]
+                cute.arch.barrier(barrier_id=int(Barrier.DS_EMPTY), number_of_threads=self.mma_threads)
+                cute.copy(ds_store, tdSrP, tdSsdS[None, None, None, 1])
+                cute.copy(ds_store, tdSrdS, tdSsdS[None, None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy stores, then WGMMA reads
             cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=self.mma_threads)
-            if cutlass.const_expr(not self.p_in_registers):
-                warpgroup_gemm(dv_mma, acc_dV, tdVrP[None, None, None, Q_STAGES + q], tdVrdO[None, None, None, o],
-                               zero_init=False)
+            if cutlass.const_expr(not self.keys_as_m):
+                warpgroup_gemm(dv_mma, acc_dV, tdVrdO[None, None, None, o],
+                               tdVrP[None, None, None, self.ds_stages + ds], zero_init=False)
             if computes_dq:
                 for dq_round in cutlass.range_constexpr(dq.rounds):
                     if cutlass.const_expr(dq.transposed):
-                        warpgroup_gemm(dq_mma, acc_dQ, tdQrK[dq_round], tdQrdS[None, None, None, q])
+                        warpgroup_gemm(dq_mma, acc_dQ, tdQrK[dq_round], tdQrdS[None, None, None, ds])
                     else:
-                        warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, q], tdQrK[dq_round])
+                        warpgroup_gemm(dq_mma, acc_dQ, tdQrdS[None, None, None, ds], tdQrK[dq_round])
                     if cutlass.const_expr(dq_round == 0):
-                        warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
+                        self.dk_product(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q])
                     # dQ into this warpgroup's part of the buffer while dK's MMAs run; the dQ warp adds it.
                     warpgroup.wait_group(1 if dq_round == 0 else 0)
                     if cutlass.const_expr(dq_round == 0 and DO_STAGES[d] == 1):
@@ -938,7 +988,7 @@ class AttentionBackward:
                                              number_of_threads=DQ_PART_THREADS)
                 warpgroup.wait_group(0)
             else:  # each branch waits for its own MMAs: ptxas serializes them all if a wait spans the two
-                warpgroup_gemm(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q], zero_init=False)
+                self.dk_product(dk_mma, acc_dK, dS_t, tdKrQ[None, None, None, q])
                 warpgroup.wait_group(0)
             pipeline_q.consumer_release(q_state)
             if cutlass.const_expr(DO_STAGES[d] > 1):
@@ -950,6 +1000,20 @@ class AttentionBackward:
         pipeline_kv.consumer_release(kv_state)
     # --8<-- [end:consumer]
 
+    def scores_product(self, sdp_mma, acc, keys, rows):
+        """S^T = K Q^T (dP^T = V dO^T), or S = Q K^T (dP = dO V^T) with the keys as N."""
+        if self.keys_as_m:
+            warpgroup_gemm(sdp_mma, acc, keys, rows)
+        else:
+            warpgroup_gemm(sdp_mma, acc, rows, keys)
+
+    def dk_product(self, dk_mma, acc_dK, dS, Q):
+        """dK += dS^T Q, or dK^T += Q^T dS with the keys as N."""
+        if self.keys_as_m:
+            warpgroup_gemm(dk_mma, acc_dK, dS, Q, zero_init=False)
+        else:
+            warpgroup_gemm(dk_mma, acc_dK, Q, dS, zero_init=False)
+
     @cute.jit
     def store_dk_dv(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx, n_block,
                     head_kv, batch, softmax_scale: cutlass.Float32):
@@ -960,8 +1024,8 @@ class AttentionBackward:
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)  # K, V read
-        cute.autovec_copy(rdK, thr_dk.partition_C(sK))
-        cute.autovec_copy(rdV, thr_dv.partition_C(sV))
+        cute.autovec_copy(rdK, thr_dk.partition_C(sK if cutlass.const_expr(self.keys_as_m) else transposed(sK)))
+        cute.autovec_copy(rdV, thr_dv.partition_C(sV if cutlass.const_expr(self.keys_as_m) else transposed(sV)))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)
         if mma_tidx < 32:

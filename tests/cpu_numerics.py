@@ -1403,7 +1403,7 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
                  left: Int32, right: Int32, num_sink_tokens: Int32):
     """KeyTileMask of KV tile ``n_block`` on every register of every MMA thread, for each Q tile.
 
-    ``scores`` [the config's KV tile, m_blocks * its Q tile], zeros, gets -inf where ``apply_transposed`` masks;
+    ``scores`` [the config's KV tile, m_blocks * its Q tile], zeros, gets -inf where ``apply_by_key`` masks;
     ``tiles`` gets [m_block_min, m_block_max] (``m_block_range``), then ``tile_is_partial`` of each Q tile,
     then ``dq_turn`` of each Q tile (the deterministic dQ order).
     """
@@ -1419,21 +1419,23 @@ def mask_kv_tile(module: cutlass.Constexpr, config: cutlass.Constexpr, m_blocks:
     dq_turn = mask.dq_turn
     for m in cutlass.range_constexpr(m_blocks):
         tiles[2 + m_blocks + m] = dq_turn(m)
-    apply = mask.apply_transposed
+    apply = mask.apply_by_key
+    keys_by_rows, score_coordinates = module.keys_by_rows, module.score_coordinates
+    shape, keys_as_m = kernel.score_shape, kernel.keys_as_m
     for m_block in range(m_blocks):
         for thread in range(MMA_THREADS):
             thr = sdp_mma.get_slice(thread)
-            acc = thr.make_fragment_C(thr.partition_shape_C((tile_n, tile_m)))
-            coord = thr.partition_C(cute.make_identity_tensor((tile_n, tile_m)))
+            acc = thr.make_fragment_C(thr.partition_shape_C(shape))
+            coord = score_coordinates(thr, tile_n, tile_m, keys_as_m)
             acc.fill(0.0)
-            apply(acc, coord, m_block)
+            apply(keys_by_rows(acc, keys_as_m), keys_by_rows(coord, keys_as_m), m_block)
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 key, row = coord[i]
                 scores[key, m_block * tile_m + row] = acc[i]
 
 
 def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]], head_dim: int = 128) -> None:
-    """KeyTileMask.m_block_range and apply_transposed for every KV tile against reference.visible_keys: the
+    """KeyTileMask.m_block_range and apply_by_key for every KV tile against reference.visible_keys: the
     Q tiles a KV tile visits are exactly those with a row that sees one of its keys, a tile that skips the
     mask sees all of them, and the mask hides exactly the invisible (row, key) pairs. The Q tiles are those of
     ``head_dim``'s kernel with this mask (``q_tile_rows``)."""
@@ -1478,13 +1480,13 @@ def check_key_tile_masks(module, features: dict, lengths: list[tuple[int, int]],
                     raise AssertionError(f"tile_is_partial, {where}: Q tile {m} skips the mask, but the KV tile runs past "
                                          f"S_k = {s_k}: its keys from {s_k} on are not the sequence's")
                 if past and (scores[keys.shape[1]:, m * tile_m:m * tile_m + rows.shape[0]] == 0).any():
-                    raise AssertionError(f"apply_transposed, {where}: a key at or past S_k = {s_k} is kept for a row of "
+                    raise AssertionError(f"apply_by_key, {where}: a key at or past S_k = {s_k} is kept for a row of "
                                          f"Q tile {m}; every key past S_k is masked for every row")
                 kept = scores[:keys.shape[1], m * tile_m:m * tile_m + rows.shape[0]].t() == 0
                 if tiles[2 + m].item() and not torch.equal(kept, rows):
                     wrong = (kept != rows).nonzero()[0].tolist()
                     row, key = m * tile_m + wrong[0], n_block * tile_n + wrong[1]
-                    raise AssertionError(f"apply_transposed, {where}: (row {row}, key {key}) is "
+                    raise AssertionError(f"apply_by_key, {where}: (row {row}, key {key}) is "
                                          f"{'kept' if kept[tuple(wrong)] else 'masked'}; it should be "
                                          f"{'visible' if rows[tuple(wrong)] else 'masked'}")
 
@@ -1556,19 +1558,23 @@ def score_gradients(module: cutlass.Constexpr, head_dim: cutlass.Constexpr, s: c
                     lse: cute.Tensor, d: cute.Tensor, scale_log2: Float32):
     """probabilities_and_score_gradients on every MMA thread's registers of ``head_dim``'s kernel: s [KV tile,
     Q tile] becomes P^T, dp dS^T."""
-    sdp_mma = backward_kernel(module, head_dim).tiled_mmas()[0]
-    gradients = module.probabilities_and_score_gradients  # (a runtime loop may not carry the module)
-    shape = tuple(s.shape)
+    kernel = backward_kernel(module, head_dim)
+    sdp_mma, shape, keys_as_m = kernel.tiled_mmas()[0], kernel.score_shape, kernel.keys_as_m
+    tile_n, tile_m = kernel.tile_n, kernel.tile_m
+    # (a runtime loop may not carry the module or the kernel)
+    gradients, keys_by_rows, score_coordinates = (module.probabilities_and_score_gradients, module.keys_by_rows,
+                                                  module.score_coordinates)
     for thread in range(MMA_THREADS):
         thr = sdp_mma.get_slice(thread)
         acc_s = thr.make_fragment_C(thr.partition_shape_C(shape))
         acc_dp = thr.make_fragment_C(thr.partition_shape_C(shape))
-        coord = thr.partition_C(cute.make_identity_tensor(shape))
+        coord = score_coordinates(thr, tile_n, tile_m, keys_as_m)
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             key, row = coord[i]
             acc_s[i] = s[key, row]
             acc_dp[i] = dp[key, row]
-        gradients(acc_s, acc_dp, coord, lse, d, scale_log2)
+        gradients(keys_by_rows(acc_s, keys_as_m), keys_by_rows(acc_dp, keys_as_m), keys_by_rows(coord, keys_as_m),
+                  lse, d, scale_log2)
         for i in cutlass.range(cute.size(acc_s), unroll_full=True):
             key, row = coord[i]
             s[key, row] = acc_s[i]

@@ -258,7 +258,7 @@ CPU_MASKS = {
 CPU_LENGTHS = [(1, 1), (200, 300), (300, 129), (130, 64), (64, 129), (3, 200), (400, 400), (200, 700)]
 
 
-TILINGS = {128: "q-tiles-64-or-80", 64: "q-tiles-128", 256: "kv-tiles-64"}
+TILINGS = {128: "q-tiles-64-or-80", 64: "q-tiles-128", 192: "kv-tiles-96", 256: "kv-tiles-64"}
 
 
 @pytest.mark.compiles
@@ -267,7 +267,7 @@ TILINGS = {128: "q-tiles-64-or-80", 64: "q-tiles-128", 256: "kv-tiles-64"}
 def test_on_cpu_m_block_range(stage, mask, head_dim):
     """KeyTileMask (exercise 11): the Q tiles a KV tile visits, and its mask, against the reference's visibility,
     with the tiles of D = 128's kernel (64 rows with a mask, 80 without; 128 keys), of D = 64's (128 rows) and of
-    D = 256's (64 keys, the warpgroups splitting the query rows)."""
+    D = 192's and 256's (96 and 64 keys, S with the keys as N)."""
     cpu_numerics.check_key_tile_masks(stage, CPU_MASKS[mask], CPU_LENGTHS, head_dim)
 
 
@@ -293,6 +293,6 @@ def test_on_cpu_dq_stores_cover_the_tile_once_without_bank_conflicts(stage, head
 
 
 @pytest.mark.compiles
-@pytest.mark.parametrize("head_dim", [64, 256], ids=["keys-split", "columns-split"])
+@pytest.mark.parametrize("head_dim", [64, 192], ids=["keys-as-m", "keys-as-n"])
 def test_on_cpu_probabilities_and_score_gradients(stage, head_dim):
     cpu_numerics.check_score_gradients(stage, head_dim)
