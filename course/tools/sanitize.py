@@ -160,9 +160,9 @@ def launch_stage(number: int) -> None:
                                     alibi_slopes=testing.alibi_slopes(16), num_splits=3)
     elif stage.kind == "backward":  # the forward runs too: the sanitizer checks both
         # D = 96: narrower swizzles (swizzle_span); D = 80: dQ on one warpgroup; both: several pieces per row thread.
-        # From 192 the warpgroups split the columns (P^T through shared memory); at 256, dQ in two rounds and one
-        # dO buffer released early; (192, 128): V and dO narrower than Q and K; D = 128 unmasked: 80-row Q tiles
-        # and dQ^T.
+        # From 192 the products turn around (P and dS through shared memory: one buffer each and DS_EMPTY at 192,
+        # two at (192, 128) and 256); at 256, dQ in two rounds and one dO buffer released early; (192, 128): V and
+        # dO narrower than Q and K, dV^T split by head dim; D = 128 unmasked: 80-row Q tiles and dQ^T.
         for (head_dim, head_dim_v), options in (
                 ((64, 64), {"causal": True}), ((128, 128), {}),
                 ((128, 128), {"window_size": (100, 10), "num_sink_tokens": 3,
