@@ -406,7 +406,8 @@ def probabilities_and_score_gradients(p: cute.Tensor, dp: cute.Tensor, coord: cu
     """P^T = exp2(S^T scale_log2 - LSE_log2) into p, then dS^T = P^T (dP^T - D) into dp.
 
     ``p`` and ``dp`` are the registers of S^T (or S) and dP^T (or dP) as
-    (keys, query rows), ``coord`` their (key, row): each column's LSE (log2
+    (keys, query rows), ``coord`` their (key, row), counted from the KV
+    tile's first key and the Q tile's first row: each column's LSE (log2
     domain, +inf for a row that saw nothing) and D come from shared memory.
     The caller has waited for both products.
     """
