@@ -227,12 +227,12 @@ def test_gradients_of_the_sum_over_the_group(stage):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "d256"])
+@pytest.mark.parametrize("head_dim", [128, 192, 256], ids=["d128", "d192", "d256"])
 @pytest.mark.parametrize("mask", ["none", "causal", "window-sink-tokens"])
 def test_deterministic_gradients_are_bit_identical(stage, mask, head_dim):
     """deterministic=True: 100 backward passes on the same inputs give the same bits (Q tiles that 8 KV tiles
-    add into, 16 at D = 256's 64-key tiles, each in two rounds; GQA 4:1 so each CTA adds four heads' shares),
-    and the gradients are right."""
+    add into, 11 at D = 192's 96-key tiles with one dS buffer, 16 at D = 256's 64-key tiles, each in two rounds;
+    GQA 4:1 so each CTA adds four heads' shares), and the gradients are right."""
     q, k, v = testing.random_qkv(2, 700, 1000, 8, 2, head_dim, torch.bfloat16)
     do = torch.randn_like(q)
     features = features_of(mask, 8)
