@@ -616,12 +616,18 @@ class AttentionBackward:
         else:
             sdp_mma = sm90_utils.make_trivial_tiled_mma(dtype, dtype, k_major, k_major, cutlass.Float32,
                                                         (1, MMA_WGS, 1), (64, wg_keys))
-            # dO^T and Q^T read M/N-major (head_dim contiguous), P and dS K-major (the query rows contiguous). The
-            # warpgroups split the head dim (the M) where its halves are whole WGMMAs, else the keys.
-            dv_mma, dk_mma = (sm90_utils.make_trivial_tiled_mma(
-                dtype, dtype, mn_major, k_major, cutlass.Float32,
-                *(((MMA_WGS, 1, 1), (64, self.tile_n)) if n // MMA_WGS % 64 == 0 else ((1, MMA_WGS, 1), (64, wg_keys))))
-                for n in (dv, d))
+
+            def head_dim_product(n):
+                """dV^T (n = D_v) or dK^T (n = D): dO^T and Q^T read M/N-major (head_dim contiguous), P and dS
+                K-major (the query rows contiguous). The warpgroups split the head dim (the M) where its halves
+                are whole WGMMAs, else the keys."""
+                if n // MMA_WGS % 64 == 0:
+                    return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn_major, k_major, cutlass.Float32,
+                                                             (MMA_WGS, 1, 1), (64, self.tile_n))
+                return sm90_utils.make_trivial_tiled_mma(dtype, dtype, mn_major, k_major, cutlass.Float32,
+                                                         (1, MMA_WGS, 1), (64, wg_keys))
+
+            dv_mma, dk_mma = head_dim_product(dv), head_dim_product(d)
         return sdp_mma, dv_mma, dk_mma, self.dq.tiled_mma(dtype)
 
     def smem_layouts(self):
@@ -886,11 +892,9 @@ class AttentionBackward:
         # dO^T and Q^T: (head_dim, rows); the B operands of dV and dK, or the A operands of dV^T and dK^T
         tdVrdO = smem_operand(thr_dv_wg, transposed(sdO), self.keys_as_m)
         tdKrQ = smem_operand(thr_dk_wg, transposed(sQ), self.keys_as_m)
-        dv_shape, dk_shape = (self.tile_n, self.head_dim_v), (self.tile_n, d)
-        if cutlass.const_expr(not self.keys_as_m):
-            dv_shape, dk_shape = (self.head_dim_v, self.tile_n), (d, self.tile_n)
-        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C(dv_shape))
-        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C(dk_shape))
+        sdK, sdV = self.gradient_tiles(sK, sV)
+        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C(sdV.shape))
+        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C(sdK.shape))
         dq = self.dq
         dq_threads = 128 * dq.wgs
         computes_dq = mma_tidx < dq_threads if dq.wgs < MMA_WGS else True  # every warpgroup, or the first
@@ -1001,6 +1005,11 @@ class AttentionBackward:
         pipeline_kv.consumer_release(kv_state)
     # --8<-- [end:consumer]
 
+    def gradient_tiles(self, sK, sV):
+        """dK's and dV's tiles in K's and V's shared memory (the epilogue stores them there), as their products
+        hold them: (keys, head dim), or (head dim, keys) with the keys as N."""
+        return (sK, sV) if self.keys_as_m else (transposed(sK), transposed(sV))
+
     def scores_product(self, sdp_mma, acc, keys, rows):
         """S^T = K Q^T (dP^T = V dO^T), or S = Q K^T (dP = dO V^T) with the keys as N."""
         if self.keys_as_m:
@@ -1025,8 +1034,9 @@ class AttentionBackward:
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)  # K, V read
-        cute.autovec_copy(rdK, thr_dk.partition_C(sK if cutlass.const_expr(self.keys_as_m) else transposed(sK)))
-        cute.autovec_copy(rdV, thr_dv.partition_C(sV if cutlass.const_expr(self.keys_as_m) else transposed(sV)))
+        sdK, sdV = self.gradient_tiles(sK, sV)
+        cute.autovec_copy(rdK, thr_dk.partition_C(sdK))
+        cute.autovec_copy(rdV, thr_dv.partition_C(sdV))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)
         if mma_tidx < 32:

@@ -97,17 +97,17 @@ def test_cross_compiles_for_sm90a(stage, config):
 def spill_message(number: int, name: str, config_name: str, spill_bytes: int, allowed: int) -> str:
     """What a learner reads when a configuration spills: the usual causes, and how to find the TODO."""
     exercises = stages.get(number).cpu_numerics + stages.get(number).cpu_sync
+    one_config = f"python -m course check {number} -k 'cross_compiles and {config_name.split('_', 1)[1]}'"
     return (
         f"{name} spills {spill_bytes} bytes of registers to local memory"
         f"{f' (its tiling allows {allowed})' if allowed else ''}. The kernel runs at its register limit: a TODO "
         "that keeps more values live than it needs (a value read per element where one per row or column does, a "
         "branch per element, a slow-path function, a loop unrolled at trace time (range_constexpr) where a runtime "
         "loop does) spills. Scalar code can tip it too: a clamp or a test that the rest already implies (a "
-        f"configuration this close to the limit has no register to spare). Any of this stage's functions may be "
+        "configuration this close to the limit has no register to spare). Any of this stage's functions may be "
         f"the one ({', '.join(exercises)}): undo one function's change at a time and cross-compile this "
-        f"configuration alone (`python -m course check {number} -k 'cross_compiles and {config_name.split('_', 1)[1]}'`, seconds: both dtypes). If the "
-        f"test_on_cpu_* checks pass, the numbers are right and this is the cost: see the stage page's exercise and "
-        f"`python -m course hint {number}`.")
+        f"configuration alone (`{one_config}`, seconds: both dtypes). If the test_on_cpu_* checks pass, the "
+        f"numbers are right and this is the cost: see the stage page's exercise and `python -m course hint {number}`.")
 
 
 # ---------------------------------------------------------------- numerics (Hopper GPU)
