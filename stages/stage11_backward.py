@@ -546,7 +546,7 @@ class AttentionBackward:
 
     preprocess, postprocess = Preprocess, ConvertDQ
     q_tile_rows = staticmethod(q_tile_rows)  # the host pads the LSE, D and dQ's sum to whole Q tiles, counts turns
-    kv_tile_keys = staticmethod(kv_tile_keys)  # and rotates deterministic turns only while every KV tile is resident
+    kv_tile_keys = staticmethod(kv_tile_keys)  # and counts KV tiles: for the launch groups, for the rotated turns
 
     def __init__(self, config, deterministic: bool = False):
         self.config = config
@@ -569,7 +569,8 @@ class AttentionBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdQturns: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32,
-                 window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, stream):
+                 window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32,
+                 heads_per_group: cutlass.Int32, stream):
         mQ, mK, mV, mdO = (bshd_as_rows_dim(t) for t in (mQ, mK, mV, mdO))
         mdK, mdV = bshd_as_rows_dim(mdK), bshd_as_rows_dim(mdV)
         mLSE, mD = bhs_as_s_h_b(mLSE), bhs_as_s_h_b(mD)
@@ -596,7 +597,8 @@ class AttentionBackward:
             sdp_mma, dv_mma, dk_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_lse, tma_mLSE, tma_d, tma_mD, mdQaccum, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
             scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, rotate, *layouts,
-        ).launch(grid=[n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1], stream=stream,
+        ).launch(grid=[heads_per_group, n_blocks, mK.shape[2] * mK.shape[3] // heads_per_group],
+                 block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # a register count at entry: without one ptxas may ignore setmaxnreg (C7508)
 
     def tiled_mmas(self):
@@ -676,7 +678,8 @@ class AttentionBackward:
                mdQ: cute.Tensor, mdQturns: cute.Tensor, tma_dk: cute.CopyAtom, mdK: cute.Tensor,
                tma_dv: cute.CopyAtom, mdV: cute.Tensor, scale_log2: cutlass.Float32,
                softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
-               num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, sQ_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -695,14 +698,14 @@ class AttentionBackward:
         # change may be spilled).
         if warpgroup_idx > 0:
             cute.arch.setmaxregister_increase(REGISTERS[MMA_WGS][1])
-            n_block, head_kv, batch = self.tile_coordinates()
+            n_block, _, _ = self.tile_coordinates(mK.shape[2])
             group = mQ.shape[2] // mK.shape[2]
-            self.mma(sdp_mma, dv_mma, dk_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, head_kv,
-                     batch, group, mQ.shape[0], mK.shape[0], scale_log2, softmax_scale, window_left, window_right,
+            self.mma(sdp_mma, dv_mma, dk_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes, n_block, group,
+                     mQ.shape[0], mK.shape[0], scale_log2, softmax_scale, window_left, window_right,
                      num_sink_tokens, rotate)
         else:
             cute.arch.setmaxregister_decrease(REGISTERS[MMA_WGS][0])
-            n_block, head_kv, batch = self.tile_coordinates()
+            n_block, head_kv, batch = self.tile_coordinates(mK.shape[2])
             group = mQ.shape[2] // mK.shape[2]
             if warp_idx == 0:
                 self.load(tma_q, mQ, tma_do, mdO, tma_k, mK, tma_v, mV, tma_lse, mLSE, tma_d, mD, smem, pipes,
@@ -711,14 +714,21 @@ class AttentionBackward:
                 self.store_dq(mdQ, mdQturns, smem[5], n_block, head_kv, batch, group, mQ.shape[0],
                               mK.shape[0], window_left, window_right, num_sink_tokens, rotate)
 
+    # --8<-- [start:tile_coordinates]
     @cute.jit
-    def tile_coordinates(self):
-        """(KV tile, KV head, batch) of this CTA. In deterministic mode the KV tiles launch from the last down:
-        a CTA then waits for its turn (``KeyTileMask.dq_turn``) only on CTAs that were launched before it."""
-        n_block, head_kv, batch = cute.arch.block_idx()
+    def tile_coordinates(self, kv_heads: cutlass.Int32):
+        """(KV tile, KV head, batch) of this CTA. The grid is (pairs per group, KV tiles, groups) of (KV head,
+        batch) pairs (the host's ``heads_per_group``), and blocks launch with x fastest: within a group, tile 0
+        of every pair, then tile 1, so under a causal mask the longest tiles of the group's pairs start first. In
+        deterministic mode the tiles go from the last down: a CTA then waits for its turn
+        (``KeyTileMask.dq_turn``) only on CTAs that were launched before it."""
+        pair_in_group, n_block, group = cute.arch.block_idx()
+        pairs_per_group, n_blocks, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.deterministic):
-            n_block = cute.arch.grid_dim()[0] - 1 - n_block
-        return n_block, head_kv, batch
+            n_block = n_blocks - 1 - n_block
+        pair = group * pairs_per_group + pair_in_group
+        return n_block, pair % kv_heads, pair // kv_heads
+    # --8<-- [end:tile_coordinates]
 
     def shared_tensors(self, storage, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout):
         """sQ, sdO, sK, sV, sdS with their swizzled layouts, sdQ, then sLSE and sD (``row_layouts``)."""
@@ -859,9 +869,8 @@ class AttentionBackward:
     # --8<-- [start:consumer]
     @cute.jit
     def mma(self, sdp_mma, dv_mma, dk_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes,
-            n_block: cutlass.Int32, head_kv: cutlass.Int32, batch: cutlass.Int32, group: cutlass.Int32,
-            seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32, scale_log2: cutlass.Float32,
-            softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
+            n_block: cutlass.Int32, group: cutlass.Int32, seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32,
+            scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
             num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32):
         """The two MMA warpgroups: every step's five products; dK and dV at the end."""
         sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD = smem
@@ -1000,8 +1009,7 @@ class AttentionBackward:
                 pipeline_do.consumer_release(do_state)
             q_state.advance()
             do_state.advance()
-        self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx, n_block,
-                         head_kv, batch, softmax_scale)
+        self.store_dk_dv(acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx, softmax_scale)
         pipeline_kv.consumer_release(kv_state)
     # --8<-- [end:consumer]
 
@@ -1025,10 +1033,11 @@ class AttentionBackward:
             warpgroup_gemm(dk_mma, acc_dK, Q, dS, zero_init=False)
 
     @cute.jit
-    def store_dk_dv(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx, n_block,
-                    head_kv, batch, softmax_scale: cutlass.Float32):
+    def store_dk_dv(self, acc_dK, acc_dV, sK, sV, tma_dk, mdK, tma_dv, mdV, thr_dk, thr_dv, mma_tidx,
+                    softmax_scale: cutlass.Float32):
         """dK (times softmax_scale) and dV to 16 bits, into K's and V's shared memory, then TMA stores
-        (rows past S_k are clipped by the TMA unit)."""
+        (rows past S_k are clipped by the TMA unit). The tile's head and batch are worked out again here: kept
+        across the steps they would take registers the MMA warpgroups do not have to spare."""
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdK.store((acc_dK.load() * softmax_scale).to(self.dtype))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
@@ -1040,6 +1049,7 @@ class AttentionBackward:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.mma_threads)
         if mma_tidx < 32:
+            n_block, head_kv, batch = self.tile_coordinates(mdK.shape[2])
             one_cta = cute.make_layout(1)
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim_v), (n_block, 0))

@@ -5,12 +5,14 @@ rows that see no key (exactly zero gradients), NaN-poisoned gradient buffers, an
 backward's own arguments.
 """
 
+from types import SimpleNamespace
+
 import cpu_numerics
 import pytest
 import torch
 
 from course import testing
-from course.runtime import backward, stages
+from course.runtime import backward, prefill, stages
 from prefill_checks import pytest_generate_tests, test_cross_compiles_for_sm90a  # noqa: F401
 
 STAGE = stages.get(11)
@@ -224,6 +226,37 @@ def test_gradients_of_the_sum_over_the_group(stage):
     do = torch.randn_like(q)
     grads, out = run_backward(stage, q, k, v, do, {"causal": True}, poisoned=False)
     testing.assert_gradients_match(grads, q, k, v, do, "MQA 16:1", out=out, causal=True)
+
+
+def test_launch_groups_divide_the_pairs():
+    """The grid is (pairs per group, KV tiles, groups): a group divides B x H_kv, fits on the GPU under a mask,
+    is one pair without a mask or in deterministic mode, and keeps the groups within the grid's z dimension."""
+    causal = prefill.KernelConfig("bfloat16", 128, has_right=True)
+    unmasked = prefill.KernelConfig("bfloat16", 128)
+
+    def group(config, batch, heads_kv, n_blocks, deterministic=False):
+        shape = SimpleNamespace(batch=batch, heads_kv=heads_kv)
+        return backward.heads_per_group(config, shape, n_blocks, deterministic, sms=132)
+
+    assert group(causal, 2, 16, 64) == 2  # two pairs' 64 tiles fill 132 SMs
+    assert group(causal, 8, 16, 16) == 8
+    assert group(causal, 3, 2, 21) == 2  # 6 pairs: the largest power of two that divides them
+    assert group(causal, 1, 25, 16) == 1
+    assert group(causal, 2, 16, 200) == 1  # a pair's tiles fill the GPU by themselves
+    assert group(unmasked, 8, 16, 16) == 1
+    assert group(causal, 8, 16, 16, deterministic=True) == 1
+    assert group(unmasked, 4096, 32, 2) == 4  # 131072 pairs: 32768 groups of 4 (at most 65535)
+
+
+@pytest.mark.gpu
+def test_launch_groups_map_back_to_heads_and_batches(stage):
+    """Causal, 21 KV tiles of 128 keys per (KV head, batch) pair: the 6 pairs of 3 batches x 2 KV heads launch
+    in 3 groups of 2 (``heads_per_group``). Every tile of every pair must be computed once, at its own head and
+    batch (dk and dv start as NaN)."""
+    q, k, v = testing.random_qkv(3, 2600, 2600, 4, 2, 128, torch.bfloat16)
+    do = torch.randn_like(q)
+    grads, out = run_backward(stage, q, k, v, do, {"causal": True})
+    testing.assert_gradients_match(grads, q, k, v, do, "3 launch groups of 2 pairs", out=out, causal=True)
 
 
 @pytest.mark.gpu

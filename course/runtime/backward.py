@@ -25,6 +25,7 @@ from course.runtime.compile import (
 )
 
 LOG2_E = math.log2(math.e)
+GRID_YZ_LIMIT = 65535  # CUDA's largest grid y and z dimensions
 HEAD_DIMS = validation.BACKWARD_HEAD_DIMS
 
 
@@ -52,7 +53,7 @@ def fake_arguments(config: prefill.KernelConfig) -> tuple:
     dk = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.head_dim), symbols=symbols)
     dv = symbolic_tensor(dtype, ("B", "S_k", "H_kv", config.dv), symbols=symbols)
     return (q, k, v, do, lse, d, dq_accum, dq_turns, dk, dv, cutlass.Float32(1.0), cutlass.Float32(1.0), cutlass.Int32(0),
-            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0))
+            cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Int32(1))
 
 
 def cross_compile_config(kernel_class, config: prefill.KernelConfig, *, stage: int, deterministic: bool = False,
@@ -86,6 +87,23 @@ def postprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int, tile_m
     dq_accum = symbolic_tensor(torch.float32, ("B", "H", "S_pad_D"), symbols=symbols, stride_divisibility=4)
     dq = symbolic_tensor(torch_dtype, ("B", "S", "H", head_dim), symbols=symbols)
     return kernel_class.postprocess(head_dim, tile_m), (dq_accum, dq, cutlass.Float32(1.0))
+
+
+def heads_per_group(config, shape, n_blocks: int, deterministic: bool, sms: int) -> int:
+    """How many (KV head, batch) pairs launch their CTAs together, KV tile by KV tile: the grid is (pairs per
+    group, KV tiles, groups) (``AttentionBackward.tile_coordinates``). Under a mask, where the KV tiles' lengths
+    differ, as many as fit all their tiles on the GPU at once (one CTA per SM), rounded down to a power of two that
+    divides the number of pairs: then the long tiles of every pair in a group start before the short ones, rather
+    than the last pairs' long tiles at the end. One without a mask (every tile is as long) and in deterministic
+    mode (groups measured slower: the page), unless there are more pairs than the grid's z dimension takes."""
+    pairs = shape.batch * shape.heads_kv
+    group = 1
+    if not deterministic and (config.has_left or config.has_right):
+        fit = max(1, sms // n_blocks)
+        group = min(1 << (fit.bit_length() - 1), pairs & -pairs)
+    while pairs % group or pairs // group > GRID_YZ_LIMIT:
+        group += 1
+    return group
 
 
 def sink_gradient(sink_logits, lse, d):
@@ -144,11 +162,16 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     rows = (shape.batch, shape.heads_q, m_blocks * tile_m)
     device = q.device
     no_turns = torch.zeros((1, 1, 1), device=device, dtype=torch.int32)  # read only in deterministic mode
+    tile_n = kernel_class.kv_tile_keys(shape.head_dim)
+    n_blocks = -(-shape.seqlen_k // tile_n)
+    if n_blocks > GRID_YZ_LIMIT:
+        raise ValueError(f"seqlen_k = {shape.seqlen_k} makes {n_blocks} KV tiles of {tile_n} keys at head_dim "
+                         f"{shape.head_dim}; the backward's grid takes at most {GRID_YZ_LIMIT} (its y dimension)")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    group = heads_per_group(config, shape, n_blocks, deterministic, sms)
     # Deterministic and unmasked: each KV tile starts at its own Q tile (KeyTileMask.q_tile), which makes tiles
-    # wait on tiles launched after them; safe only while all KV tiles of a head fit on the GPU at once.
-    rotate = int(deterministic and not (config.has_left or config.has_right)
-                 and -(-shape.seqlen_k // kernel_class.kv_tile_keys(shape.head_dim))
-                 <= torch.cuda.get_device_properties(device).multi_processor_count)
+    # wait on tiles launched after them; safe only while all KV tiles of a launch group fit on the GPU at once.
+    rotate = int(deterministic and not (config.has_left or config.has_right) and group * n_blocks <= sms)
 
     def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):
         lse_log2, d = (torch.empty(rows, device=device, dtype=torch.float32) for _ in range(2))
@@ -161,7 +184,7 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
                  if deterministic else no_turns)
         pre(do, o, lse, lse_log2, d, dq_accum)
         kernel(q, k, v, do, lse_log2, d, dq_accum, turns, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens,
-               rotate)
+               rotate, group)
         post(dq_accum, dq, scale)
         if sink_logits is None:
             return dq, dk, dv
