@@ -570,7 +570,7 @@ class AttentionBackward:
                  mD: cute.Tensor, mdQaccum: cute.Tensor, mdQturns: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32,
                  window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32,
-                 heads_per_group: cutlass.Int32, stream):
+                 pairs_per_group: cutlass.Int32, stream):
         mQ, mK, mV, mdO = (bshd_as_rows_dim(t) for t in (mQ, mK, mV, mdO))
         mdK, mdV = bshd_as_rows_dim(mdK), bshd_as_rows_dim(mdV)
         mLSE, mD = bhs_as_s_h_b(mLSE), bhs_as_s_h_b(mD)
@@ -597,7 +597,7 @@ class AttentionBackward:
             sdp_mma, dv_mma, dk_mma, dq_mma, tma_q, tma_mQ, tma_do, tma_mdO, tma_k, tma_mK, tma_v, tma_mV,
             tma_lse, tma_mLSE, tma_d, tma_mD, mdQaccum, mdQturns, tma_dk, tma_mdK, tma_dv, tma_mdV,
             scale_log2, softmax_scale, window_left, window_right, num_sink_tokens, rotate, *layouts,
-        ).launch(grid=[heads_per_group, n_blocks, mK.shape[2] * mK.shape[3] // heads_per_group],
+        ).launch(grid=[pairs_per_group, n_blocks, mK.shape[2] * mK.shape[3] // pairs_per_group],
                  block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)  # a register count at entry: without one ptxas may ignore setmaxnreg (C7508)
 
@@ -679,9 +679,8 @@ class AttentionBackward:
                tma_dv: cute.CopyAtom, mdV: cute.Tensor, scale_log2: cutlass.Float32,
                softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
                num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32, sQ_layout: cute.ComposedLayout,
-               sdO_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               sdQ_layout: cute.Layout):
+               sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -718,15 +717,15 @@ class AttentionBackward:
     @cute.jit
     def tile_coordinates(self, kv_heads: cutlass.Int32):
         """(KV tile, KV head, batch) of this CTA. The grid is (pairs per group, KV tiles, groups) of (KV head,
-        batch) pairs (the host's ``heads_per_group``), and blocks launch with x fastest: within a group, tile 0
+        batch) pairs (the host's ``pairs_per_group``), and blocks launch with x fastest: within a group, tile 0
         of every pair, then tile 1, so under a causal mask the longest tiles of the group's pairs start first. In
         deterministic mode the tiles go from the last down: a CTA then waits for its turn
         (``KeyTileMask.dq_turn``) only on CTAs that were launched before it."""
-        pair_in_group, n_block, group = cute.arch.block_idx()
+        pair_in_group, n_block, launch_group = cute.arch.block_idx()
         pairs_per_group, n_blocks, _ = cute.arch.grid_dim()
         if cutlass.const_expr(self.deterministic):
             n_block = n_blocks - 1 - n_block
-        pair = group * pairs_per_group + pair_in_group
+        pair = launch_group * pairs_per_group + pair_in_group
         return n_block, pair % kv_heads, pair // kv_heads
     # --8<-- [end:tile_coordinates]
 
@@ -870,8 +869,8 @@ class AttentionBackward:
     @cute.jit
     def mma(self, sdp_mma, dv_mma, dk_mma, dq_mma, tma_dk, mdK, tma_dv, mdV, smem, pipes,
             n_block: cutlass.Int32, group: cutlass.Int32, seqlen_q: cutlass.Int32, seqlen_k: cutlass.Int32,
-            scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32, window_right: cutlass.Int32,
-            num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32):
+            scale_log2: cutlass.Float32, softmax_scale: cutlass.Float32, window_left: cutlass.Int32,
+            window_right: cutlass.Int32, num_sink_tokens: cutlass.Int32, rotate: cutlass.Int32):
         """The two MMA warpgroups: every step's five products; dK and dV at the end."""
         sQ, sdO, sK, sV, sdS, sdQ, sLSE, sD = smem
         pipeline_kv, pipeline_q, pipeline_do = pipes

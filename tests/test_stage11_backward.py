@@ -236,7 +236,7 @@ def test_launch_groups_divide_the_pairs():
 
     def group(config, batch, heads_kv, n_blocks, deterministic=False):
         shape = SimpleNamespace(batch=batch, heads_kv=heads_kv)
-        return backward.heads_per_group(config, shape, n_blocks, deterministic, sms=132)
+        return backward.pairs_per_group(config, shape, n_blocks, deterministic, sms=132)
 
     assert group(causal, 2, 16, 64) == 2  # two pairs' 64 tiles fill 132 SMs
     assert group(causal, 8, 16, 16) == 8
@@ -251,7 +251,7 @@ def test_launch_groups_divide_the_pairs():
 @pytest.mark.gpu
 def test_launch_groups_map_back_to_heads_and_batches(stage):
     """Causal, 21 KV tiles of 128 keys per (KV head, batch) pair: the 6 pairs of 3 batches x 2 KV heads launch
-    in 3 groups of 2 (``heads_per_group``). Every tile of every pair must be computed once, at its own head and
+    in 3 groups of 2 (``pairs_per_group``). Every tile of every pair must be computed once, at its own head and
     batch (dk and dv start as NaN)."""
     q, k, v = testing.random_qkv(3, 2600, 2600, 4, 2, 128, torch.bfloat16)
     do = torch.randn_like(q)

@@ -89,7 +89,7 @@ def postprocess_kernel_and_args(kernel_class, torch_dtype, head_dim: int, tile_m
     return kernel_class.postprocess(head_dim, tile_m), (dq_accum, dq, cutlass.Float32(1.0))
 
 
-def heads_per_group(config, shape, n_blocks: int, deterministic: bool, sms: int) -> int:
+def pairs_per_group(config, shape, n_blocks: int, deterministic: bool, sms: int) -> int:
     """How many (KV head, batch) pairs launch their CTAs together, KV tile by KV tile: the grid is (pairs per
     group, KV tiles, groups) (``AttentionBackward.tile_coordinates``). Under a mask, where the KV tiles' lengths
     differ, as many as fit all their tiles on the GPU at once (one CTA per SM), rounded down to a power of two that
@@ -149,6 +149,11 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     validation.check_on_gpu(do=do, q=q, k=k, v=v, o=o, lse=lse, sink_logits=sink_logits, dq=dq, dk=dk, dv=dv)
     left, right, num_sink_tokens = prefill.kernel_window(causal, window_size, num_sink_tokens, shape)
     config = prefill.call_config(q, shape, left, right, num_sink_tokens)
+    tile_n = kernel_class.kv_tile_keys(shape.head_dim)
+    n_blocks = -(-shape.seqlen_k // tile_n)
+    if n_blocks > GRID_YZ_LIMIT:
+        raise ValueError(f"seqlen_k = {shape.seqlen_k} makes {n_blocks} KV tiles of {tile_n} keys at head_dim "
+                         f"{shape.head_dim}; the backward's grid takes at most {GRID_YZ_LIMIT} (its y dimension)")
     kernel = launch.compiled((kernel_class, config, deterministic),
                              lambda: (kernel_class(config, deterministic), fake_arguments(config)))
     key = (q.dtype, shape.head_dim)
@@ -162,16 +167,11 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
     rows = (shape.batch, shape.heads_q, m_blocks * tile_m)
     device = q.device
     no_turns = torch.zeros((1, 1, 1), device=device, dtype=torch.int32)  # read only in deterministic mode
-    tile_n = kernel_class.kv_tile_keys(shape.head_dim)
-    n_blocks = -(-shape.seqlen_k // tile_n)
-    if n_blocks > GRID_YZ_LIMIT:
-        raise ValueError(f"seqlen_k = {shape.seqlen_k} makes {n_blocks} KV tiles of {tile_n} keys at head_dim "
-                         f"{shape.head_dim}; the backward's grid takes at most {GRID_YZ_LIMIT} (its y dimension)")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    group = heads_per_group(config, shape, n_blocks, deterministic, sms)
+    group_pairs = pairs_per_group(config, shape, n_blocks, deterministic, sms)
     # Deterministic and unmasked: each KV tile starts at its own Q tile (KeyTileMask.q_tile), which makes tiles
     # wait on tiles launched after them; safe only while all KV tiles of a launch group fit on the GPU at once.
-    rotate = int(deterministic and not (config.has_left or config.has_right) and group * n_blocks <= sms)
+    rotate = int(deterministic and not (config.has_left or config.has_right) and group_pairs * n_blocks <= sms)
 
     def run(do, q, k, v, o, lse, sink_logits, dq, dk, dv):
         lse_log2, d = (torch.empty(rows, device=device, dtype=torch.float32) for _ in range(2))
@@ -184,7 +184,7 @@ def plan_backward(kernel_class, do, q, k, v, o, lse, *, softmax_scale, causal, w
                  if deterministic else no_turns)
         pre(do, o, lse, lse_log2, d, dq_accum)
         kernel(q, k, v, do, lse_log2, d, dq_accum, turns, dk, dv, scale * LOG2_E, scale, left, right, num_sink_tokens,
-               rotate, group)
+               rotate, group_pairs)
         post(dq_accum, dq, scale)
         if sink_logits is None:
             return dq, dk, dv
